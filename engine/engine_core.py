@@ -1,0 +1,93 @@
+"""The engine core: scheduler + executor, in token ids. The Ray scheduler actor hosts one of these."""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+
+from pagedserve.config import EngineConfig
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.request import Request, Sequence
+from pagedserve.scheduler.scheduler import Scheduler, SeqUpdate
+
+logger = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 63) - 1
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_cls=None) -> None:
+        if executor_cls is None:
+            from pagedserve.worker.executor import UniProcExecutor as executor_cls
+        self.config = config
+        self.max_model_len = config.scheduler_config.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+        self.executor = executor_cls(config)
+        num_blocks = self.executor.determine_num_blocks()
+        bs = config.cache_config.block_size
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache; raise kv_cache_memory or gpu_memory_utilization")
+        config.cache_config.num_blocks = num_blocks
+        self.executor.init_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks = %d tokens", num_blocks, num_blocks * bs)
+        self.scheduler = Scheduler(config.scheduler_config, num_blocks, bs)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._rng = random.Random(config.seed)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that cannot run; nothing is allocated yet."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if params.max_tokens is None:
+            if n >= self.max_model_len:
+                raise ValueError(f"prompt of {n} tokens leaves no room within max_model_len {self.max_model_len}")
+        elif n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
+                f"max_model_len {self.max_model_len}")
+        total = n + (params.max_tokens if params.max_tokens is not None else self.max_model_len - n)
+        need = -(-total // self.scheduler.block_size) * params.best_of
+        if need > self.scheduler.block_manager.num_blocks:
+            raise ValueError(f"request needs up to {need} KV blocks but the cache holds only "
+                             f"{self.scheduler.block_manager.num_blocks}; lower max_tokens or raise kv_cache_memory")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids outside the vocabulary: {bad_stop}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary size {self.vocab_size}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.vocab_size:
+            raise ValueError(f"prompt_logprobs must be at most the vocabulary size {self.vocab_size}")
+        if params.best_of > 1:
+            raise ValueError("n > 1 and best_of > 1 need sequence sharing, which this engine does not run yet")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.validate(prompt_token_ids, params)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(seq_id=next(self._seq_ids), index=0, token_ids=list(prompt_token_ids),
+                       prompt_len=len(prompt_token_ids), seed=base_seed & _SEED_MASK)
+        req = Request(request_id, list(prompt_token_ids), params, [seq], arrival_index=next(self._arrivals))
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[SeqUpdate]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.finished_seq_ids and not sched.blocks_to_copy:
+            return []
+        result = self.executor.execute_model(sched)
+        return self.scheduler.update_from_output(sched, result, self.max_model_len)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,70 @@
+"""The offline API, as in vLLM: ``LLM(model).generate(prompts, sampling_params)``."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedserve.config import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, tensor_parallel_size: int = 1,
+                 dtype: str = "auto", seed: int = 0, **kwargs) -> None:
+        known = EngineArgs.field_names()
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown LLM arguments: {unknown}")
+        args = EngineArgs(model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
+                          dtype=dtype, seed=seed, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        # Validate everything first, so a bad prompt leaves nothing half-queued.
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                engine.validate(p, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        out_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} tok/s", refresh=False)
+        except BaseException:
+            engine.abort_request([r for r in request_ids if r not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in request_ids]

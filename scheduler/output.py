@@ -1,0 +1,60 @@
+"""What the scheduler sends to every worker each step, and what comes back.
+
+Kept small and picklable: a sequence's full token ids and block table travel once (``NewSeqData``);
+after that only the newly sampled token and newly allocated blocks do (``CachedSeqData``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewSeqData:
+    seq_id: int
+    token_ids: list[int]
+    prompt_len: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    need_prompt_logprobs: bool = False
+
+
+@dataclass
+class CachedSeqData:
+    seq_id: int
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_seqs: list[NewSeqData] = field(default_factory=list)
+    scheduled_cached_seqs: list[CachedSeqData] = field(default_factory=list)
+    num_scheduled_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens this step
+    total_num_scheduled_tokens: int = 0
+    # Sequences whose worker-side state must be dropped (finished, aborted, preempted).
+    finished_seq_ids: set[int] = field(default_factory=set)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Results for the sequences that sampled this step, in ``seq_ids`` order."""
+
+    seq_ids: list[int]
+    sampled_token_ids: list[int]
+    sampled_logprobs: list[float] | None = None  # raw logprob of each sampled token
+    # Per sampled seq that asked for logprobs: (top token ids, their logprobs, rank of the sampled token).
+    top_logprobs: dict[int, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # seq_id -> per prompt position (token id, logprob, rank, top ids, top logprobs) for this chunk.
+    prompt_logprobs: dict[int, list[tuple[int, float, int, list[int], list[float]]]] = field(default_factory=dict)

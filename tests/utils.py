@@ -1,0 +1,129 @@
+"""Tiny random Hugging Face models (saved as safetensors dirs) and HF reference generation."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import textwrap
+
+import torch
+
+VOCAB = 331  # not divisible by 2 or 4, so vocab padding for TP is exercised
+EOS = 2
+
+_CORPUS = textwrap.dedent("""
+    The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks.
+    def main(argv):\n    return sum(int(x) for x in argv) if argv else None\n
+    café naïve résumé — “quotes” and emoji 🚀🔥 and 中文字符 with ümlauts.
+""")
+
+
+def make_tokenizer(path: str, vocab_size: int = 300) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = [_CORPUS] * 4 + [inspect.getsource(json), inspect.getsource(textwrap)]
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(path)
+
+
+def _base(arch: str) -> tuple[str, dict]:
+    common = dict(vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=1, pad_token_id=0)
+    llama = dict(common, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15,
+                 tie_word_embeddings=False)
+    table = {
+        "llama": ("LlamaConfig", llama),
+        "llama-mha-tied": ("LlamaConfig", dict(llama, num_key_value_heads=4, tie_word_embeddings=True)),
+        "llama-rope-linear": ("LlamaConfig", dict(llama, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+        "llama-rope-llama3": ("LlamaConfig", dict(llama, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})),
+        "llama-gqa8": ("LlamaConfig", dict(llama, num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
+        "mistral": ("MistralConfig", dict(llama, sliding_window=None)),
+        "qwen2": ("Qwen2Config", dict(llama, use_sliding_window=False)),
+        "gpt2": ("GPT2Config", dict(common, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                    initializer_range=0.15)),
+        "gpt_neox": ("GPTNeoXConfig", dict(common, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, rotary_pct=0.25, use_parallel_residual=True,
+                                           max_position_embeddings=256, initializer_range=0.15)),
+        "gpt_neox-seq": ("GPTNeoXConfig", dict(common, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, rotary_pct=0.5,
+                                               use_parallel_residual=False, max_position_embeddings=256,
+                                               initializer_range=0.15)),
+        "opt": ("OPTConfig", dict(common, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32,
+                                  do_layer_norm_before=True, init_std=0.15)),
+        "opt-350m-like": ("OPTConfig", dict(common, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                            num_attention_heads=4, max_position_embeddings=256,
+                                            word_embed_proj_dim=32, do_layer_norm_before=False, init_std=0.15)),
+    }
+    return table[arch]
+
+
+ARCHS = ["llama", "llama-mha-tied", "llama-rope-linear", "llama-rope-llama3", "mistral", "qwen2", "gpt2",
+         "gpt_neox", "gpt_neox-seq", "opt", "opt-350m-like"]
+
+
+def make_model(path: str, arch: str, seed: int = 0, tokenizer_dir: str | None = None, **overrides) -> str:
+    import transformers
+
+    cls_name, kwargs = _base(arch)
+    config = getattr(transformers, cls_name)(**{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    _perturb_biases_and_norms(model, seed)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer_dir:
+        for name in os.listdir(tokenizer_dir):
+            with open(os.path.join(tokenizer_dir, name), "rb") as src, open(os.path.join(path, name), "wb") as dst:
+                dst.write(src.read())
+    return path
+
+
+def _perturb_biases_and_norms(model, seed: int) -> None:
+    """HF initialises biases to 0 and norms to 1; randomise them so their loading is really tested."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name or "layernorm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, hf_model=None):
+    """HF generate(): greedy tokens (through the first EOS) and the raw logprob of each."""
+    from transformers import AutoModelForCausalLM
+
+    model = hf_model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, eos_token_id=EOS,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+    if EOS in tokens:
+        cut = tokens.index(EOS) + 1
+        tokens, logprobs = tokens[:cut], logprobs[:cut]
+    return tokens, logprobs
+
+
+def random_prompts(n: int, seed: int, min_len: int = 3, max_len: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lens]
+
+
+def assert_all_blocks_free(llm_or_engine) -> None:
+    engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+    sched = engine.core.scheduler
+    bm = sched.block_manager
+    assert not sched.has_unfinished(), "requests still queued"
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
+    assert all(c == 0 for c in bm.pool.ref_cnt), "non-zero reference counts remain"

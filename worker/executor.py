@@ -1,0 +1,26 @@
+"""Executors run a step on all TP workers. The in-process one serves tensor_parallel_size=1."""
+from __future__ import annotations
+
+from pagedserve.config import EngineConfig
+from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.worker import Worker
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("the in-process executor runs tensor_parallel_size=1 only; "
+                             "larger sizes run on the Ray executor")
+        self.worker = Worker(config)
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(sched)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,27 @@
+"""Attention over the paged KV cache; the op backend comes from the forward context."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.worker.forward_context import get_attn_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.scale = scale
+        # Bound by the worker once the KV cache is allocated: [num_blocks, block_size, Hkv, D].
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        md = get_attn_metadata()
+        q = q.reshape(-1, self.num_heads, self.head_size)
+        k = k.reshape(-1, self.num_kv_heads, self.head_size)
+        v = v.reshape(-1, self.num_kv_heads, self.head_size)
+        md.backend.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        out = md.backend.paged_attention(q, self.k_cache, self.v_cache, md.block_tables,
+                                         md.query_start_loc, md.seq_lens, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_size)

@@ -1,0 +1,225 @@
+"""Turns a ``SchedulerOutput`` into one packed, unpadded forward pass plus sampling."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.kernels import get_backend
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
+from pagedserve.worker.layers.attention import Attention
+from pagedserve.worker.models.loader import load_model
+from pagedserve.worker.sampler import SamplingMetadata, sample
+
+
+@dataclass
+class SeqState:
+    """What a worker remembers about a sequence between steps."""
+
+    token_ids: list[int]
+    prompt_len: int
+    block_ids: list[int]
+    params: SamplingParams
+    seed: int
+    need_prompt_logprobs: bool
+
+
+@dataclass
+class StepInputs:
+    seq_ids: list[int]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    sample_rows: list[int]  # batch rows that sample this step
+    logits_indices: torch.Tensor  # token index of each sampling row's last token
+    prompt_chunks: list[tuple[int, int, int, int]]  # (seq_id, first token index, start pos, length)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = config.cache_config.block_size
+        self.model = load_model(config.model_config, device)
+        self.backend = get_backend(config.attention_backend)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.states: dict[int, SeqState] = {}
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        self.vocab_size = config.model_config.vocab_size
+
+    # ---- KV cache ----------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        a = self.attn_layers[0]
+        elem = torch.empty(0, dtype=self.config.model_config.dtype).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_size * elem
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        dtype = self.config.model_config.dtype
+        self.k_caches, self.v_caches = [], []
+        for layer in self.attn_layers:
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+            layer.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.k_caches.append(layer.k_cache)
+            self.v_caches.append(layer.v_cache)
+
+    # ---- per-step state ----------------------------------------------------------------------
+    def _update_states(self, sched: SchedulerOutput) -> dict[int, int]:
+        for seq_id in sched.finished_seq_ids:
+            self.states.pop(seq_id, None)
+        starts: dict[int, int] = {}
+        for d in sched.scheduled_new_seqs:
+            self.states[d.seq_id] = SeqState(list(d.token_ids), d.prompt_len, list(d.block_ids),
+                                             d.sampling_params, d.seed, d.need_prompt_logprobs)
+            starts[d.seq_id] = d.num_computed_tokens
+        for d in sched.scheduled_cached_seqs:
+            st = self.states[d.seq_id]
+            st.token_ids.extend(d.new_token_ids)
+            st.block_ids.extend(d.new_block_ids)
+            starts[d.seq_id] = d.num_computed_tokens
+        return starts
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        starts = self._update_states(sched)
+        seq_ids = list(starts)
+        n = len(seq_ids)
+        input_ids: list[int] = []
+        query_lens = np.empty(n, dtype=np.int64)
+        seq_lens = np.empty(n, dtype=np.int64)
+        sample_rows: list[int] = []
+        logits_idx: list[int] = []
+        prompt_chunks: list[tuple[int, int, int, int]] = []
+        max_blocks = 0
+        for i, seq_id in enumerate(seq_ids):
+            st = self.states[seq_id]
+            start, q = starts[seq_id], sched.num_scheduled_tokens[seq_id]
+            end = start + q
+            input_ids.extend(st.token_ids[start:end])
+            query_lens[i], seq_lens[i] = q, end
+            if end == len(st.token_ids):
+                sample_rows.append(i)
+                logits_idx.append(len(input_ids) - 1)
+            if st.need_prompt_logprobs and start < st.prompt_len - 1:
+                prompt_chunks.append((seq_id, len(input_ids) - q, start, min(end, st.prompt_len - 1) - start))
+            max_blocks = max(max_blocks, len(st.block_ids))
+        block_tables = np.zeros((n, max_blocks), dtype=np.int32)
+        for i, seq_id in enumerate(seq_ids):
+            ids = self.states[seq_id].block_ids
+            block_tables[i, : len(ids)] = ids
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        row = np.repeat(np.arange(n), query_lens)
+        positions = np.arange(len(input_ids)) - cu[row] + (seq_lens - query_lens)[row]
+        slots = block_tables[row, positions // self.block_size].astype(np.int64) * self.block_size \
+            + positions % self.block_size
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            backend=self.backend)
+        return StepInputs(seq_ids, torch.tensor(input_ids, dtype=torch.long, device=dev),
+                          torch.from_numpy(positions).to(dev), attn, sample_rows,
+                          torch.tensor(logits_idx, dtype=torch.long, device=dev), prompt_chunks)
+
+    def _sampling_metadata(self, states: list[SeqState]) -> SamplingMetadata:
+        dev = self.device
+        params = [s.params for s in states]
+        temps = [0.0 if p.is_greedy else p.temperature for p in params]
+        vocab = self.vocab_size
+
+        def col(values, dtype, unused) -> torch.Tensor | None:
+            if all(v == unused for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        md = SamplingMetadata(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            all_greedy=all(t == 0.0 for t in temps),
+            top_k=col([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, vocab),
+            top_p=col([p.top_p for p in params], torch.float32, 1.0),
+            min_p=col([p.min_p for p in params], torch.float32, 0.0),
+            seeds=torch.tensor([s.seed for s in states], dtype=torch.long),
+            counters=torch.tensor([len(s.token_ids) - s.prompt_len for s in states], dtype=torch.long),
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1))
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+            md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
+            md.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
+            md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            md.prompt_tokens = _pad([s.token_ids[: s.prompt_len] for s in states], dev)
+            md.output_tokens = _pad([s.token_ids[s.prompt_len:] for s in states], dev)
+        rows, toks = [], []
+        for i, s in enumerate(states):
+            p = s.params
+            if len(s.token_ids) - s.prompt_len < p.min_tokens:
+                stops = set(p.stop_token_ids) | p.all_stop_token_ids
+                rows += [i] * len(stops)
+                toks += sorted(stops)
+        if rows:
+            md.banned = (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev))
+        return md
+
+    # ---- the step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if sched.blocks_to_copy:
+            self.backend.copy_blocks(self.k_caches, self.v_caches,
+                                     torch.tensor(sched.blocks_to_copy, device=self.device))
+        if sched.is_empty:
+            self._update_states(sched)
+            return ModelRunnerOutput([], [])
+        inp = self.prepare_inputs(sched)
+        with set_forward_context(inp.attn):
+            hidden = self.model(inp.input_ids, inp.positions)
+        out = ModelRunnerOutput([inp.seq_ids[r] for r in inp.sample_rows], [])
+        if inp.prompt_chunks:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, inp)
+        if not inp.sample_rows:
+            return out
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        states = [self.states[s] for s in out.seq_ids]
+        md = self._sampling_metadata(states)
+        res = sample(logits, md)
+        out.sampled_token_ids = res.token_ids.tolist()
+        if res.logprobs is not None:
+            out.sampled_logprobs = res.logprobs.tolist()
+            ranks = res.ranks.tolist()
+            top_ids = res.top_ids.tolist() if res.top_ids is not None else None
+            top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
+            for i, (seq_id, st) in enumerate(zip(out.seq_ids, states)):
+                k = st.params.logprobs
+                if k is not None:
+                    out.top_logprobs[seq_id] = (top_ids[i][:k] if k else [], top_lps[i][:k] if k else [], ranks[i])
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> dict[int, list]:
+        result = {}
+        for seq_id, first, start, length in inp.prompt_chunks:
+            if length <= 0:
+                continue
+            st = self.states[seq_id]
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first: first + length]).float(), dim=1)
+            targets = torch.tensor(st.token_ids[start + 1: start + 1 + length], device=self.device)
+            chosen = logprobs.gather(1, targets.unsqueeze(1))
+            ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+            k = st.params.prompt_logprobs
+            top_lp, top_ids = logprobs.topk(k, dim=1) if k else (None, None)
+            result[seq_id] = [
+                (t, lp, r, top_ids[j].tolist() if k else [], top_lp[j].tolist() if k else [])
+                for j, (t, lp, r) in enumerate(zip(targets.tolist(), chosen.squeeze(1).tolist(), ranks))]
+        return result
+
+
+def _pad(lists: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(x) for x in lists))
+    out = torch.full((len(lists), width), -1, dtype=torch.long)
+    for i, x in enumerate(lists):
+        if x:
+            out[i, : len(x)] = torch.tensor(x)
+    return out.to(device)

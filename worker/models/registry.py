@@ -1,0 +1,29 @@
+"""Architecture name (config.json ``architectures``) -> our model class."""
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+}
+
+SUPPORTED_ARCHITECTURES = sorted(_MODELS)
+
+
+def check_architecture(hf_config) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in _MODELS:
+            return arch
+    raise ValueError(f"unsupported model architecture {archs or '(none in config.json)'}; "
+                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def get_model_class(hf_config):
+    module, cls = _MODELS[check_architecture(hf_config)]
+    return getattr(importlib.import_module(f"pagedserve.worker.models.{module}"), cls)

@@ -1,0 +1,79 @@
+"""A worker: one TP rank's model shard, KV cache shard and model runner."""
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.parallel_state import init_tensor_parallel
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_FRACTION = 0.2  # default share of available RAM for the CPU KV pool
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None,
+                 local_rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        if config.device == "cuda":
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        tp = config.parallel_config.tensor_parallel_size
+        init_tensor_parallel(rank, tp, distributed_init_method, "nccl" if self.device.type == "cuda" else "gloo")
+        torch.manual_seed(config.seed)
+        self.model_runner = ModelRunner(config, self.device)
+
+    def determine_num_blocks(self) -> int:
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        runner = self.model_runner
+        if cc.num_gpu_blocks_override:
+            return cc.num_gpu_blocks_override
+        per_block = runner.kv_bytes_per_block()
+        if cc.kv_cache_memory is not None:
+            return cc.kv_cache_memory // per_block
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks(per_block)
+        # CPU: a fraction of free RAM, but never more than the scheduler could ever fill.
+        budget = int(psutil.virtual_memory().available * CPU_KV_FRACTION) // per_block
+        ceiling = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size) + 1
+        return min(budget, ceiling)
+
+    def _profile_cuda_blocks(self, per_block: int) -> int:
+        """Run a worst-case step on a scratch cache, then give the KV pool what is left."""
+        from pagedserve.scheduler.output import NewSeqData
+        from pagedserve.sampling_params import SamplingParams
+
+        sc, bs = self.config.scheduler_config, self.config.cache_config.block_size
+        num_tokens = min(sc.max_num_batched_tokens, sc.max_model_len)
+        blocks = -(-num_tokens // bs)
+        runner = self.model_runner
+        runner.init_kv_cache(blocks)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        dummy = NewSeqData(seq_id=-1, token_ids=[0] * num_tokens, prompt_len=num_tokens,
+                           block_ids=list(range(blocks)), num_computed_tokens=0,
+                           sampling_params=SamplingParams(max_tokens=1), seed=0)
+        runner.execute_model(SchedulerOutput(scheduled_new_seqs=[dummy], num_scheduled_tokens={-1: num_tokens},
+                                             total_num_scheduled_tokens=num_tokens))
+        runner.states.clear()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - blocks * per_block
+        runner.init_kv_cache(0)
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free = total * self.config.cache_config.gpu_memory_utilization - peak
+        return max(int(free) // per_block, 0)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.init_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(sched)
