@@ -1,0 +1,106 @@
+"""The `pagedserve` command line. Engine flags use vLLM's names."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from pagedserve.config import EngineArgs
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="local Hugging Face model dir (default: the bundled demo model)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
+    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space per worker")
+    g.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()})
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from(ns: argparse.Namespace):
+    from pagedserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                          min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
+                          presence_penalty=ns.presence_penalty, frequency_penalty=ns.frequency_penalty,
+                          seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from pagedserve.engine.llm import LLM
+
+    params = sampling_params_from(ns)
+    args = engine_args_from(ns)
+    llm = LLM(**{k: getattr(args, k) for k in EngineArgs.field_names()})
+    t0 = time.perf_counter()
+    outs = llm.generate(ns.prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n_tokens = 0
+    for out in outs:
+        for c in out.outputs:
+            n_tokens += len(c.token_ids)
+            if len(outs) > 1:
+                print(f"--- prompt: {out.prompt!r}")
+            print(f"{out.prompt}{c.text}")
+    print(f"[{len(outs)} prompt(s), {n_tokens} tokens in {dt:.2f}s, {n_tokens / max(dt, 1e-9):.1f} tok/s]",
+          file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="Paged-KV LLM serving")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts offline and print the text")
+    gen.add_argument("prompts", nargs="+")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.tests.utils import make_model, make_tokenizer
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tokenizer"))
+    make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory, tokenizer_dir):
+    """model_factory(arch, **config_overrides) -> model dir, built once per session."""
+    cache: dict[tuple, str] = {}
+
+    def build(arch: str, **overrides) -> str:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = str(tmp_path_factory.mktemp(arch))
+            cache[key] = make_model(path, arch, tokenizer_dir=tokenizer_dir, **overrides)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_factory) -> str:
+    return model_factory("llama")

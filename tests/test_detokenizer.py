@@ -1,0 +1,56 @@
+"""Streaming text never contains broken UTF-8, and equals a one-shot decode at the end."""
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from pagedserve import EngineArgs, LLMEngine, SamplingParams
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+
+TEXT = "café naïve — “quotes” 🚀🔥 中文字符 ümlauts end"
+
+
+def test_incremental_deltas_are_clean(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    prompt = tok.encode("Hello:")
+    ids = tok.encode(TEXT)
+    assert len(ids) > len(TEXT) / 3, "tokenizer should split multi-byte characters"
+    det = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    deltas = []
+    for t in ids:
+        det.add_tokens([t])
+        d = det.take_delta(finished=False)
+        assert "\ufffd" not in d
+        deltas.append(d)
+    det.flush()
+    deltas.append(det.take_delta(finished=True))
+    assert "".join(deltas) == TEXT == tok.decode(ids)
+    assert sum(1 for d in deltas if d) > 10
+
+
+def test_stop_string_is_never_streamed_partially(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tok.encode(TEXT)
+    det = IncrementalDetokenizer(tok, [], SamplingParams(stop=["中文"]))
+    streamed = ""
+    for t in ids:
+        stopped = det.add_tokens([t])
+        streamed += det.take_delta(finished=stopped)
+        if stopped:
+            break
+    assert streamed == TEXT[: TEXT.index("中文")]
+    assert "中" not in streamed and det.stop_reason == "中文"
+
+
+def test_engine_streaming_outputs_grow_monotonically(llama_dir):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=llama_dir))
+    engine.add_request("s", "café 🚀 naïve", SamplingParams(temperature=1.0, seed=0, max_tokens=30), stream=True)
+    texts, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts.append(out.outputs[0].text)
+            final = out
+    assert len(texts) == 30 and final.finished
+    for a, b in zip(texts, texts[1:]):
+        assert b.startswith(a)
+    tok = engine.tokenizer
+    assert final.outputs[0].text == tok.decode(final.outputs[0].token_ids, skip_special_tokens=True)
