@@ -140,6 +140,7 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False  # token ids in, token ids out (no text)
     tensor_parallel_size: int = 1
     dtype: str = "auto"
     device: str = "auto"

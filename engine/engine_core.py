@@ -4,6 +4,8 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
+from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
 from pagedserve.sampling_params import SamplingParams
@@ -13,6 +15,18 @@ from pagedserve.scheduler.scheduler import Scheduler, SeqUpdate
 logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class StepStats:
+    """Where one engine step's time went (seconds), for benchmarks and metrics."""
+
+    num_running: int
+    num_tokens: int
+    schedule: float
+    execute: float  # executor call, incl. the worker's prepare / forward / sample
+    update: float
+    worker: dict[str, float]
 
 
 class EngineCore:
@@ -34,6 +48,7 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
+        self.last_step: StepStats | None = None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that cannot run; nothing is allocated yet."""
@@ -83,11 +98,18 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[SeqUpdate]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_seq_ids and not sched.blocks_to_copy:
             return []
+        num_running = len(self.scheduler.running)
+        t1 = time.perf_counter()
         result = self.executor.execute_model(sched)
-        return self.scheduler.update_from_output(sched, result, self.max_model_len)
+        t2 = time.perf_counter()
+        updates = self.scheduler.update_from_output(sched, result, self.max_model_len)
+        self.last_step = StepStats(num_running, sched.total_num_scheduled_tokens, t1 - t0, t2 - t1,
+                                   time.perf_counter() - t2, result.timings)
+        return updates
 
     def shutdown(self) -> None:
         self.executor.shutdown()

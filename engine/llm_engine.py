@@ -42,11 +42,13 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: str | None = None, executor_cls=None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: str | None = None, executor_cls=None,
+                 skip_tokenizer_init: bool = False) -> None:
         from transformers import AutoTokenizer
 
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or config.model_config.model)
+        self.tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(
+            tokenizer or config.model_config.model)
         self.core = EngineCore(config, executor_cls)
         self.eos_token_ids = set(config.model_config.eos_token_ids)
         self.states: dict[str, _RequestState] = {}
@@ -54,7 +56,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, executor_cls=None) -> "LLMEngine":
-        return cls(args.create_engine_config(), args.tokenizer, executor_cls)
+        return cls(args.create_engine_config(), args.tokenizer, executor_cls, args.skip_tokenizer_init)
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -69,6 +71,8 @@ class LLMEngine:
             return None, list(prompt)
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init")
         return prompt, self.tokenizer.encode(prompt) if prompt else []
 
     def prepare_params(self, params: SamplingParams | None) -> SamplingParams:
@@ -91,7 +95,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         text, ids, params = self.validate(prompt, params)
         req = self.core.add_request(request_id, ids, params)
-        incremental = stream or bool(params.stop)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
+        incremental = (stream or bool(params.stop)) and self.tokenizer is not None
         completions = [_Completion(i, detok=IncrementalDetokenizer(self.tokenizer, ids, params) if incremental else None,
                                    logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -126,8 +132,8 @@ class LLMEngine:
                 del self.states[st.request.request_id]
         return outputs
 
-    def _decoded(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _decoded(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     def _logprob_dict(self, token: int, lp: float, rank: int, top_ids: list[int], top_lps: list[float]):
         d = {t: Logprob(v, r + 1, self._decoded(t)) for r, (t, v) in enumerate(zip(top_ids, top_lps))}
@@ -163,6 +169,8 @@ class LLMEngine:
                     c.detok.flush()
                 c.detok.take_delta(c.finish_reason is not None)
                 text = c.detok.text[: c.detok.num_sent_chars]
+            elif self.tokenizer is None:
+                text = ""
             else:
                 text = self.tokenizer.decode(c.token_ids, skip_special_tokens=st.params.skip_special_tokens,
                                              spaces_between_special_tokens=st.params.spaces_between_special_tokens)

@@ -39,22 +39,40 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [q_len, Hq, D]; k, v [kv_len, Hkv, D]; causal with the queries at the end of the keys."""
+    """q [q_len, Hq, D]; k, v [kv_len, Hkv, D]; causal, the queries being the last q_len positions."""
     q_len, kv_len = q.shape[0], k.shape[0]
     gqa = q.shape[1] // k.shape[1]
     if gqa > 1:
         k = k.repeat_interleave(gqa, dim=1)
         v = v.repeat_interleave(gqa, dim=1)
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if q_len == 1:
-        out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
-    elif q_len == kv_len:
+    if q_len == kv_len:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     else:
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     return out.transpose(0, 1)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row per sequence. Rows with the same number of blocks attend as one padded batch,
+    so padding stays under one block per row while Python work is per group, not per sequence."""
+    n, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    num_blocks = (seq_lens + bs - 1) // bs
+    for nb in torch.unique(num_blocks).tolist():
+        rows = (num_blocks == nb).nonzero().squeeze(1)
+        bt = block_tables[rows, :nb].long()
+        k = k_cache[bt].view(len(rows), nb * bs, hkv, d).transpose(1, 2).to(q.dtype)
+        v = v_cache[bt].view(len(rows), nb * bs, hkv, d).transpose(1, 2).to(q.dtype)
+        mask = torch.arange(nb * bs, device=q.device)[None, :] < seq_lens[rows][:, None]
+        o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                           scale=scale, enable_gqa=hq != hkv)
+        out[rows] = o.squeeze(2)
+    return out
 
 
 def paged_attention(
@@ -69,16 +87,19 @@ def paged_attention(
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query)
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    decode = query_lens == 1
+    if bool(decode.any()):
+        rows = decode.nonzero().squeeze(1)
+        tokens = query_start_loc[:-1][rows].long()
+        out[tokens] = _decode_attention(query[tokens], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    dtype = query.dtype
-    for b, seq_len in enumerate(lens):
+    for b in (query_lens > 1).nonzero().squeeze(1).tolist():
         s, e = starts[b], starts[b + 1]
-        if e == s:
-            continue
-        k = gather_kv(k_cache, block_tables[b], seq_len)
-        v = gather_kv(v_cache, block_tables[b], seq_len)
-        out[s:e] = _attend(query[s:e], k.to(dtype), v.to(dtype), scale)
+        k = gather_kv(k_cache, block_tables[b], lens[b])
+        v = gather_kv(v_cache, block_tables[b], lens[b])
+        out[s:e] = _attend(query[s:e], k.to(query.dtype), v.to(query.dtype), scale)
     return out
 
 

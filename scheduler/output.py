@@ -58,3 +58,4 @@ class ModelRunnerOutput:
     top_logprobs: dict[int, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # seq_id -> per prompt position (token id, logprob, rank, top ids, top logprobs) for this chunk.
     prompt_logprobs: dict[int, list[tuple[int, float, int, list[int], list[float]]]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # worker-side seconds: prepare / forward / sample

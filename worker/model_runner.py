@@ -1,6 +1,7 @@
 """Turns a ``SchedulerOutput`` into one packed, unpadded forward pass plus sampling."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,19 +175,26 @@ class ModelRunner:
         if sched.is_empty:
             self._update_states(sched)
             return ModelRunnerOutput([], [])
+        t0 = time.perf_counter()
         inp = self.prepare_inputs(sched)
+        t1 = time.perf_counter()
         with set_forward_context(inp.attn):
             hidden = self.model(inp.input_ids, inp.positions)
         out = ModelRunnerOutput([inp.seq_ids[r] for r in inp.sample_rows], [])
         if inp.prompt_chunks:
             out.prompt_logprobs = self._prompt_logprobs(hidden, inp)
+        if inp.sample_rows:
+            logits = self.model.compute_logits(hidden[inp.logits_indices])
+        self._sync()
+        t2 = time.perf_counter()
+        out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
         if not inp.sample_rows:
             return out
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
         states = [self.states[s] for s in out.seq_ids]
         md = self._sampling_metadata(states)
         res = sample(logits, md)
         out.sampled_token_ids = res.token_ids.tolist()
+        out.timings["sample"] = time.perf_counter() - t2
         if res.logprobs is not None:
             out.sampled_logprobs = res.logprobs.tolist()
             ranks = res.ranks.tolist()
@@ -197,6 +205,10 @@ class ModelRunner:
                 if k is not None:
                     out.top_logprobs[seq_id] = (top_ids[i][:k] if k else [], top_lps[i][:k] if k else [], ranks[i])
         return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> dict[int, list]:
         result = {}

@@ -1,0 +1,115 @@
+"""Reference models, workloads and baselines of ../shared/BENCHMARKS.md, shared by the benchmark scripts."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+MODELS = os.path.join(HERE, ".models")
+
+REFERENCE_MODELS = {
+    "bench-llama-58m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                            intermediate_size=1376, vocab_size=32000),
+    "bench-llama-gqa": dict(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=4,
+                            intermediate_size=2048, vocab_size=32000),
+    "bench-llama-7b-shape": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                 num_key_value_heads=32, intermediate_size=11008, vocab_size=32000),
+}
+
+
+def reference_model(name: str) -> str:
+    """Build (once) a random-weight reference model dir with transformers and return its path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = os.path.join(MODELS, name)
+    if os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(
+            os.path.join(path, "model.safetensors.index.json")):
+        return path
+    torch.manual_seed(0)
+    config = LlamaConfig(**REFERENCE_MODELS[name], max_position_embeddings=4096, tie_word_embeddings=False,
+                         architectures=["LlamaForCausalLM"])
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def num_params(model_dir: str) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in os.listdir(model_dir):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, f), "pt") as st:
+                total += sum(int(np.prod(st.get_slice(k).get_shape())) for k in st.keys())
+    return total
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def _lognormal(rng: np.random.Generator, n: int, mean: float, lo: int, hi: int, sigma: float = 0.8) -> list[int]:
+    mu = np.log(mean) - sigma**2 / 2
+    return np.clip(np.round(rng.lognormal(mu, sigma, n)), lo, hi).astype(int).tolist()
+
+
+def make_workload(name: str, vocab: int = 32000, seed: int = 0) -> Workload:
+    rng = np.random.default_rng(seed)
+    if name == "sharegpt":
+        ins, outs = _lognormal(rng, 256, 160, 4, 1024), _lognormal(rng, 256, 160, 4, 512)
+    elif name == "alpaca":
+        ins, outs = _lognormal(rng, 512, 20, 4, 1024), _lognormal(rng, 512, 60, 4, 512)
+    elif name == "shared-prefix":
+        system = rng.integers(3, vocab, 512).tolist()
+        prompts = [system + rng.integers(3, vocab, int(rng.integers(32, 129))).tolist() for _ in range(128)]
+        return Workload(name, prompts, [64] * 128)
+    else:
+        raise ValueError(f"unknown workload {name}")
+    return Workload(name, [rng.integers(3, vocab, n).tolist() for n in ins], outs)
+
+
+def matmul_peak_flops(dtype=torch.float32, n: int = 1024, device: str = "cpu", repeat: int = 5) -> float:
+    """The best FLOP/s of a square matmul: the physical limit the model's FLOP utilization is measured against."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    best = 0.0
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(3):
+            a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 3 * 2 * n**3 / (time.perf_counter() - t))
+    return best
+
+
+def model_flops_per_token(n_params: int, n_layers: int, hidden: int, context: float) -> float:
+    """2 x params for the matmuls plus 4 x layers x hidden x context for attention scores and values."""
+    return 2 * n_params + 4 * n_layers * hidden * context
+
+
+def save_results(name: str, data: dict) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    data = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+            "torch": torch.__version__, **data}
+    path = os.path.join(RESULTS, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    return path

@@ -1,0 +1,184 @@
+"""Offline throughput: pagedserve vs HF sequential and HF static batching, side by side in one run.
+
+    python benchmarks/throughput.py [--model bench-llama-58m] [--workloads sharegpt alpaca]
+
+Prints and saves (benchmarks/results/throughput.{json,png}) output tok/s, total tok/s, requests/s, the
+ratio to each baseline, KV blocks total/peak, KV waste, preemptions, model FLOP utilization, and the
+per-step time breakdown at 128 running sequences.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from common import (REFERENCE_MODELS, Workload, make_workload, matmul_peak_flops, model_flops_per_token,  # noqa: E402
+                    num_params, reference_model, save_results)
+
+from pagedserve import LLM, EngineArgs, LLMEngine, SamplingParams  # noqa: E402
+
+
+def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int) -> dict:
+    llm = LLM(model_dir, skip_tokenizer_init=True, max_num_seqs=max_num_seqs)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    assert [len(o.outputs[0].token_ids) for o in outs] == wl.output_lens
+    core = llm.llm_engine.core
+    st = core.scheduler.stats
+    return {"seconds": dt, "output_tok_s": wl.num_output_tokens / dt,
+            "total_tok_s": (wl.num_output_tokens + wl.num_prompt_tokens) / dt,
+            "requests_s": len(wl.prompts) / dt, "kv_blocks_total": core.scheduler.block_manager.num_blocks,
+            "kv_blocks_peak": st.peak_blocks_used, "kv_waste": st.waste_sum / max(st.num_steps, 1),
+            "preemptions": sum(st.num_preemptions.values()), "steps": st.num_steps}
+
+
+def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> None:
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def run_hf_sequential(model, wl: Workload, n: int, rng: random.Random) -> dict:
+    idx = rng.sample(range(len(wl.prompts)), n)
+    t = time.perf_counter()
+    for i in idx:
+        _hf_generate(model, [wl.prompts[i]], wl.output_lens[i])
+    dt = time.perf_counter() - t
+    tokens = sum(wl.output_lens[i] for i in idx)
+    return {"requests": n, "seconds": dt, "output_tok_s": tokens / dt}
+
+
+def run_hf_static(model, wl: Workload, num_batches: int, rng: random.Random, batch_size: int = 16) -> dict:
+    """Left-padded batches of 16; every request waits for the batch's longest output."""
+    order = list(range(len(wl.prompts)))
+    rng.shuffle(order)
+    batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)][:num_batches]
+    t = time.perf_counter()
+    for b in batches:
+        _hf_generate(model, [wl.prompts[i] for i in b], max(wl.output_lens[i] for i in b))
+    dt = time.perf_counter() - t
+    useful = sum(wl.output_lens[i] for b in batches for i in b)
+    return {"requests": sum(map(len, batches)), "seconds": dt, "output_tok_s": useful / dt}
+
+
+def step_breakdown(model_dir: str, wl: Workload, running: int = 128, steps: int = 20) -> dict:
+    """Per-step time split with `running` sequences decoding."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, skip_tokenizer_init=True,
+                                                   max_num_seqs=running))
+    for i in range(running):
+        engine.add_request(str(i), {"prompt_token_ids": wl.prompts[i % len(wl.prompts)][:256]},
+                           SamplingParams(temperature=0, max_tokens=512, ignore_eos=True))
+    core = engine.core
+    while any(s.num_computed_tokens < s.num_tokens - 1 for r in core.scheduler.running for s in r.seqs) \
+            or len(core.scheduler.running) < running:
+        engine.step()
+    rows = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - t
+        s = core.last_step
+        assert s.num_running == running
+        rows.append({"total": total, "schedule": s.schedule, "update": s.update, **s.worker})
+    mean = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
+    mean["other"] = mean["total"] - sum(mean[k] for k in ("schedule", "update", "prepare", "forward", "sample"))
+    mean["scheduler_and_prep_share"] = (mean["schedule"] + mean["update"] + mean["prepare"]) / mean["total"]
+    engine.abort_request([str(i) for i in range(running)])
+    return {"running": running, **mean}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="bench-llama-58m", choices=sorted(REFERENCE_MODELS))
+    ap.add_argument("--workloads", nargs="+", default=["sharegpt", "alpaca"])
+    ap.add_argument("--hf-sequential-requests", type=int, default=8)
+    ap.add_argument("--hf-static-batches", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    model_dir = reference_model(args.model)
+    cfg = REFERENCE_MODELS[args.model]
+    params = num_params(model_dir)
+    peak = matmul_peak_flops()
+    print(f"{args.model}: {params / 1e6:.1f} M params; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = {"model": args.model, "params": params, "matmul_peak_flops": peak, "workloads": {}}
+    rng = random.Random(0)
+    for name in args.workloads:
+        wl = make_workload(name)
+        ours = run_pagedserve(model_dir, wl, args.max_num_seqs)
+        seq = run_hf_sequential(hf, wl, args.hf_sequential_requests, rng)
+        static = run_hf_static(hf, wl, args.hf_static_batches, rng)
+        mean_ctx = statistics.mean(len(p) + o / 2 for p, o in zip(wl.prompts, wl.output_lens))
+        flops = model_flops_per_token(params, cfg["num_hidden_layers"], cfg["hidden_size"], mean_ctx)
+        ours["mfu"] = ours["total_tok_s"] * flops / peak
+        ours["vs_hf_sequential"] = ours["output_tok_s"] / seq["output_tok_s"]
+        ours["vs_hf_static"] = ours["output_tok_s"] / static["output_tok_s"]
+        results["workloads"][name] = {"requests": len(wl.prompts), "prompt_tokens": wl.num_prompt_tokens,
+                                      "output_tokens": wl.num_output_tokens, "pagedserve": ours,
+                                      "hf_sequential": seq, "hf_static": static}
+        print(f"\n[{name}] {len(wl.prompts)} requests, {wl.num_prompt_tokens} prompt + "
+              f"{wl.num_output_tokens} output tokens")
+        print(f"  pagedserve    {ours['output_tok_s']:8.1f} out tok/s  {ours['total_tok_s']:8.1f} total tok/s  "
+              f"{ours['requests_s']:.2f} req/s  MFU {ours['mfu']:.1%}")
+        print(f"  HF sequential {seq['output_tok_s']:8.1f} out tok/s  -> {ours['vs_hf_sequential']:.1f}x")
+        print(f"  HF static(16) {static['output_tok_s']:8.1f} out tok/s  -> {ours['vs_hf_static']:.1f}x")
+        print(f"  KV blocks {ours['kv_blocks_peak']}/{ours['kv_blocks_total']} peak, waste {ours['kv_waste']:.2%}, "
+              f"preemptions {ours['preemptions']}")
+    bd = step_breakdown(model_dir, make_workload("sharegpt"))
+    results["step_breakdown_128"] = bd
+    print(f"\nstep at {bd['running']} running: {bd['total'] * 1e3:.1f} ms = schedule {bd['schedule'] * 1e3:.2f} + "
+          f"prepare {bd['prepare'] * 1e3:.2f} + forward {bd['forward'] * 1e3:.1f} + sample {bd['sample'] * 1e3:.1f}"
+          f" + update {bd['update'] * 1e3:.2f} + other {bd['other'] * 1e3:.2f} ms; scheduler + input prep = "
+          f"{bd['scheduler_and_prep_share']:.1%}")
+    print("saved", save_results("throughput", results))
+    plot(results)
+
+
+def plot(results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["workloads"])
+    systems = [("pagedserve", "pagedserve"), ("hf_static", "HF static (16)"), ("hf_sequential", "HF sequential")]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.25
+    for j, (key, label) in enumerate(systems):
+        vals = [results["workloads"][n][key]["output_tok_s"] for n in names]
+        ax.bar([i + j * width for i in range(len(names))], vals, width, label=label)
+    ax.set_xticks([i + width for i in range(len(names))], names)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"{results['model']}: output throughput")
+    ax.legend()
+    bd = results["step_breakdown_128"]
+    parts = ["schedule", "prepare", "forward", "sample", "update", "other"]
+    ax2.barh(parts, [bd[p] * 1e3 for p in parts])
+    ax2.set_xlabel("ms per step")
+    ax2.set_title(f"step time at {bd['running']} running sequences")
+    fig.tight_layout()
+    fig.savefig(results_path("throughput.png"), dpi=110)
+
+
+def results_path(name: str) -> str:
+    from common import RESULTS
+
+    return f"{RESULTS}/{name}"
+
+
+if __name__ == "__main__":
+    main()
