@@ -41,11 +41,15 @@ class EngineCore:
         bs = config.cache_config.block_size
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; raise kv_cache_memory or gpu_memory_utilization")
+        # Swapping more than the device pool holds cannot help.
+        num_cpu_blocks = min(self.executor.num_cpu_blocks(), num_blocks)
         config.cache_config.num_blocks = num_blocks
-        self.executor.init_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks = %d tokens", num_blocks, num_blocks * bs)
-        self.scheduler = Scheduler(config.scheduler_config, num_blocks, bs)
-        self._seq_ids = itertools.count()
+        config.cache_config.num_cpu_blocks = num_cpu_blocks
+        self.executor.init_kv_cache(num_blocks, num_cpu_blocks)
+        logger.info("KV cache: %d blocks = %d tokens (+ %d CPU swap blocks)", num_blocks, num_blocks * bs,
+                    num_cpu_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, num_blocks, bs,
+                                   config.cache_config.enable_prefix_caching, num_cpu_blocks)
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self.last_step: StepStats | None = None
@@ -77,19 +81,22 @@ class EngineCore:
             raise ValueError(f"logprobs must be at most the vocabulary size {self.vocab_size}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.vocab_size:
             raise ValueError(f"prompt_logprobs must be at most the vocabulary size {self.vocab_size}")
-        if params.best_of > 1:
-            raise ValueError("n > 1 and best_of > 1 need sequence sharing, which this engine does not run yet")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> Request:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(seq_id=next(self._seq_ids), index=0, token_ids=list(prompt_token_ids),
+        seq = Sequence(seq_id=self.scheduler.next_seq_id(), index=0, token_ids=list(prompt_token_ids),
                        prompt_len=len(prompt_token_ids), seed=base_seed & _SEED_MASK)
-        req = Request(request_id, list(prompt_token_ids), params, [seq], arrival_index=next(self._arrivals))
+        req = Request(request_id, list(prompt_token_ids), params, [seq], arrival_index=next(self._arrivals),
+                      cache_salt=cache_salt)
         self.scheduler.add_request(req)
         return req
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.block_manager.reset_prefix_cache()
 
     def abort_request(self, request_id: str) -> Request | None:
         return self.scheduler.abort_request(request_id)
@@ -100,7 +107,7 @@ class EngineCore:
     def step(self) -> list[SeqUpdate]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        if sched.is_empty and not sched.finished_seq_ids and not sched.blocks_to_copy:
+        if sched.is_empty and not (sched.finished_seq_ids or sched.blocks_to_swap_out):
             return []
         num_running = len(self.scheduler.running)
         t1 = time.perf_counter()

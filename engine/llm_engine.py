@@ -61,6 +61,9 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt fields {sorted(unknown)}")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -94,14 +97,15 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already running")
         text, ids, params = self.validate(prompt, params)
-        req = self.core.add_request(request_id, ids, params)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        req = self.core.add_request(request_id, ids, params, cache_salt=salt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
         incremental = (stream or bool(params.stop)) and self.tokenizer is not None
         completions = [_Completion(i, detok=IncrementalDetokenizer(self.tokenizer, ids, params) if incremental else None,
                                    logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
-                       for i in range(params.n)]
+                       for i in range(params.best_of)]
         self.states[request_id] = _RequestState(req, text, params, stream, completions,
                                                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         return request_id
@@ -163,7 +167,15 @@ class LLMEngine:
 
     def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput:
         outs = []
-        for c in st.completions:
+        completions = st.completions
+        n, best_of = st.params.n, st.params.best_of
+        if best_of > n:
+            # The n most likely of the best_of completions, renumbered; until then, the first n.
+            cum = {s.index: s.cumulative_logprob for s in st.request.seqs}
+            if finished:
+                completions = sorted(completions, key=lambda c: cum.get(c.index, float("-inf")), reverse=True)
+            completions = completions[:n]
+        for c in completions:
             if c.detok is not None:
                 if c.finish_reason is not None and c.detok.stop_reason is None:
                     c.detok.flush()
@@ -174,7 +186,10 @@ class LLMEngine:
             else:
                 text = self.tokenizer.decode(c.token_ids, skip_special_tokens=st.params.skip_special_tokens,
                                              spaces_between_special_tokens=st.params.spaces_between_special_tokens)
-            outs.append(CompletionOutput(c.index, text, list(c.token_ids), c.cumulative_logprob,
+            cum = c.cumulative_logprob
+            if cum is None and best_of > n:
+                cum = next(s.cumulative_logprob for s in st.request.seqs if s.index == c.index)
+            outs.append(CompletionOutput(len(outs) if best_of > n else c.index, text, list(c.token_ids), cum,
                                          c.logprobs, c.finish_reason, c.stop_reason))
         now = time.monotonic()
         metrics = {"arrival_time": st.arrival_time, "finished_time": now if finished else 0.0,

@@ -1,53 +1,119 @@
-"""Physical KV blocks: a ref-counted pool and per-sequence block tables.
+"""Physical KV blocks: a ref-counted pool with a prefix cache, and per-sequence block tables.
 
 A sequence's block table maps its logical blocks (token ``i`` lives in logical block
 ``i // block_size``) to physical block ids. Blocks are allocated on demand as tokens are appended,
-so only a sequence's last block can hold unfilled slots.
+so only a sequence's last block can hold unfilled slots. Blocks are shared by reference count
+(forked sequences, cached prefixes); a shared block that is about to be written is copied first.
+
+Prefix caching: once a full block's KV is computed it is registered under a hash chained to its
+parent's (and to the request's ``cache_salt``). A lookup also checks the block's token ids and that
+its parent is the very cache entry matched one level up, so even a hash collision can never serve
+wrong KV. Unreferenced cached blocks wait in an LRU evictor and are reclaimed only when no plain
+free block is left.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from pagedserve.scheduler.request import Sequence
 
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], salt: str | None) -> BlockHash:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent if parent is not None else (salt or "").encode() + b"\x00root")
+    h.update(len(token_ids).to_bytes(4, "little"))
+    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    return h.digest()
+
+
+@dataclass(eq=False)
+class CachedBlockInfo:
+    block_hash: BlockHash
+    parent: "CachedBlockInfo | None"  # the entry this block's KV was computed after
+    token_ids: tuple[int, ...]
+
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: deque[int] = deque(range(num_blocks))  # never cached, or evicted
+        self.evictor: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, oldest first
+        self.cached: dict[BlockHash, int] = {}
+        self.info: dict[int, CachedBlockInfo] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_blocks) + len(self.evictor)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free_blocks):
-            raise RuntimeError(f"asked for {n} KV blocks, {len(self.free_blocks)} free")
-        blocks = [self.free_blocks.popleft() for _ in range(n)]
-        for b in blocks:
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self.free_blocks:
+                b = self.free_blocks.popleft()
+            else:
+                b, _ = self.evictor.popitem(last=False)
+                del self.cached[self.info.pop(b).block_hash]
             self.ref_cnt[b] = 1
+            blocks.append(b)
         return blocks
 
     def incref(self, blocks: list[int]) -> None:
         for b in blocks:
+            if self.ref_cnt[b] == 0:
+                del self.evictor[b]
             self.ref_cnt[b] += 1
 
     def decref(self, blocks: list[int]) -> None:
         for b in blocks:
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
-                self.free_blocks.append(b)
+                if b in self.info:
+                    self.evictor[b] = None
+                else:
+                    self.free_blocks.append(b)
             elif self.ref_cnt[b] < 0:
                 raise RuntimeError(f"KV block {b} freed twice")
 
+    def lookup(self, block_hash: BlockHash, parent: CachedBlockInfo | None,
+               token_ids: tuple[int, ...]) -> int | None:
+        b = self.cached.get(block_hash)
+        if b is None:
+            return None
+        info = self.info[b]
+        return b if info.parent is parent and info.token_ids == token_ids else None
+
+    def register(self, block: int, block_hash: BlockHash, parent: CachedBlockInfo | None,
+                 token_ids: tuple[int, ...]) -> bool:
+        # A block computed twice concurrently stays uncached: the first copy serves lookups.
+        if block_hash in self.cached or block in self.info:
+            return False
+        self.cached[block_hash] = block
+        self.info[block] = CachedBlockInfo(block_hash, parent, token_ids)
+        return True
+
+    def reset_cache(self) -> None:
+        self.cached.clear()
+        self.info.clear()
+        self.free_blocks.extend(self.evictor)
+        self.evictor.clear()
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 watermark: float = 0.01) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, enable_caching)
         # New requests are admitted only while this many blocks stay free, so running ones can grow.
         self.watermark_blocks = int(watermark * num_blocks)
+        self.num_copy_on_write = 0
 
     @property
     def num_blocks(self) -> int:
@@ -62,23 +128,97 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        need = max(0, -(-total // self.block_size) - len(seq.block_table))
+        return need + int(self._needs_cow(seq, num_new_tokens))
 
     def can_admit(self, seqs: list[Sequence], num_new_tokens: int, use_watermark: bool = True) -> bool:
-        need = sum(self.blocks_needed(s, num_new_tokens) for s in seqs)
+        need = sum(self.blocks_needed(s, min(num_new_tokens, s.num_tokens - s.num_computed_tokens)) for s in seqs)
         return self.pool.num_free - need >= (self.watermark_blocks if use_watermark else 0)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow the block table to hold ``num_new_tokens`` more computed tokens; False if out of blocks."""
-        need = self.blocks_needed(seq, num_new_tokens)
-        if need > self.pool.num_free:
+    def _needs_cow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """The next write lands in an existing block that another sequence also references."""
+        i = seq.num_computed_tokens // self.block_size
+        return num_new_tokens > 0 and i < len(seq.block_table) and self.pool.ref_cnt[seq.block_table[i]] > 1
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       blocks_to_copy: list[tuple[int, int]] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if out of blocks.
+
+        A shared block about to be written is replaced by a private copy, recorded in ``blocks_to_copy``.
+        """
+        if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free:
             return False
+        if self._needs_cow(seq, num_new_tokens):
+            i = seq.num_computed_tokens // self.block_size
+            src = seq.block_table[i]
+            (dst,) = self.pool.allocate(1)
+            self.pool.decref([src])
+            seq.block_table[i] = dst
+            seq.num_sent_blocks = min(seq.num_sent_blocks, i)
+            if blocks_to_copy is None:
+                raise RuntimeError("copy-on-write needed but no blocks_to_copy list was given")
+            blocks_to_copy.append((src, dst))
+            self.num_copy_on_write += 1
+        total = seq.num_computed_tokens + num_new_tokens
+        need = max(0, -(-total // self.block_size) - len(seq.block_table))
         if need:
             seq.block_table.extend(self.pool.allocate(need))
         return True
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        self.pool.incref(child.block_table)
+
     def free(self, seq: Sequence) -> None:
-        # Free in reverse so a sequence's tail blocks are reused last (helps prefix reuse later).
+        # Tail blocks first, so the evictor reclaims a prefix's tail before its head.
         self.pool.decref(seq.block_table[::-1])
         seq.block_table = []
         seq.num_sent_blocks = 0
+
+    # ---- prefix caching ----------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence, salt: str | None) -> list[int]:
+        """Cached blocks holding a prefix of ``seq`` (never its last token, which must be recomputed)."""
+        if not self.pool.enable_caching:
+            return []
+        bs = self.block_size
+        hashes, blocks, parent_hash, parent = [], [], None, None
+        for i in range((seq.num_tokens - 1) // bs):
+            toks = tuple(seq.token_ids[i * bs: (i + 1) * bs])
+            h = hash_block(parent_hash, toks, salt)
+            b = self.pool.lookup(h, parent, toks)
+            if b is None:
+                break
+            hashes.append(h)
+            blocks.append(b)
+            parent_hash, parent = h, self.pool.info[b]
+        seq.block_hashes = hashes
+        return blocks
+
+    def num_evictable(self, blocks: list[int]) -> int:
+        return sum(1 for b in blocks if self.pool.ref_cnt[b] == 0)
+
+    def take_prefix(self, seq: Sequence, blocks: list[int]) -> None:
+        self.pool.incref(blocks)
+        seq.block_table = list(blocks)
+        seq.num_computed_tokens = len(blocks) * self.block_size
+
+    def cache_full_blocks(self, seq: Sequence, salt: str | None) -> None:
+        """Register the blocks that became full and computed, so later requests can reuse them."""
+        if not self.pool.enable_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(len(seq.block_hashes), num_full):
+            parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
+            # Chain only onto this sequence's own cached parent: its entry holds exactly our prefix.
+            parent = self.pool.info.get(seq.block_table[i - 1]) if i else None
+            if i and (parent is None or parent.block_hash != parent_hash):
+                return
+            toks = tuple(seq.token_ids[i * bs: (i + 1) * bs])
+            h = hash_block(parent_hash, toks, salt)
+            seq.block_hashes.append(h)
+            self.pool.register(seq.block_table[i], h, parent, toks)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()

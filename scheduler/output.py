@@ -26,8 +26,9 @@ class NewSeqData:
 class CachedSeqData:
     seq_id: int
     new_token_ids: list[int]
-    new_block_ids: list[int]
+    new_block_ids: list[int]  # replace the block table from index num_kept_blocks on
     num_computed_tokens: int
+    num_kept_blocks: int  # below len(table) after copy-on-write replaced a block
 
 
 @dataclass
@@ -49,12 +50,13 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Results for the sequences that sampled this step, in ``seq_ids`` order."""
+    """Results for the sequences that sampled this step, in ``seq_ids`` order. A sequence appears
+    ``best_of`` times on the step that samples its prompt's first tokens (one row per child)."""
 
     seq_ids: list[int]
     sampled_token_ids: list[int]
     sampled_logprobs: list[float] | None = None  # raw logprob of each sampled token
-    # Per sampled seq that asked for logprobs: (top token ids, their logprobs, rank of the sampled token).
+    # Per output row that asked for logprobs: (top token ids, their logprobs, rank of the sampled token).
     top_logprobs: dict[int, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # seq_id -> per prompt position (token id, logprob, rank, top ids, top logprobs) for this chunk.
     prompt_logprobs: dict[int, list[tuple[int, float, int, list[int], list[float]]]] = field(default_factory=dict)

@@ -21,6 +21,19 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
+_MASK63 = (1 << 63) - 1
+
+
+def child_seed(base: int, index: int) -> int:
+    """Seed of completion ``index`` of a request seeded with ``base`` (index 0 keeps the base)."""
+    if index == 0:
+        return base
+    x = (base ^ (index * 0x9E3779B97F4A7C15)) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 31)) & _MASK63
+
+
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -45,6 +58,13 @@ class Sequence:
     cumulative_logprob: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full, computed blocks
+
+    def fork(self, seq_id: int, index: int, seed: int) -> "Sequence":
+        """A child with the same tokens and progress; the block manager shares the blocks."""
+        return Sequence(seq_id=seq_id, index=index, token_ids=list(self.token_ids), prompt_len=self.prompt_len,
+                        seed=seed, num_computed_tokens=self.num_computed_tokens,
+                        cumulative_logprob=self.cumulative_logprob, status=self.status)
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +96,9 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    cache_salt: str | None = None
+    next_seq_index: int = 1
+    beam_params: object | None = None  # BeamSearchParams for beam-search requests
 
     @property
     def live_seqs(self) -> list[Sequence]:

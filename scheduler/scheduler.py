@@ -1,26 +1,35 @@
-"""Iteration-level scheduling: every step, running requests first, then waiting ones (FCFS).
+"""Iteration-level scheduling: every step, running requests first, then swapped, then waiting (FCFS).
 
 Each sequence tracks ``num_computed_tokens``; a step schedules ``num_tokens - num_computed_tokens``
 of them (capped by the token budget), which covers prefill, chunked prefill, decode and
 recompute-after-preemption alike. A sequence samples when its scheduled chunk reaches its last token.
+When blocks run out the latest arrival is preempted: its KV is dropped and recomputed later, or,
+for requests with several sequences (parallel sampling, beams), swapped out to CPU blocks.
 """
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from pagedserve.config import SchedulerConfig
-from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.beam import BeamSearcher
+from pagedserve.scheduler.block_manager import BlockManager, BlockPool
 from pagedserve.scheduler.output import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
-from pagedserve.scheduler.request import Request, RequestStatus, Sequence
+from pagedserve.scheduler.request import Request, RequestStatus, Sequence, child_seed
 
 
 @dataclass
 class SchedulerStats:
     num_preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+    num_swapped_in_blocks: int = 0
+    num_swapped_out_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which served from cached blocks
     num_steps: int = 0
+    num_scheduled_tokens: int = 0  # tokens run through the model (prefill + decode)
     # KV waste: allocated-but-unfilled slots / allocated slots, summed over steps (for the mean).
     waste_sum: float = 0.0
     peak_blocks_used: int = 0
@@ -37,16 +46,24 @@ class SeqUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = False, num_cpu_blocks: int = 0) -> None:
         self.config = config
         self.block_size = block_size
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks)
         self.waiting: deque[Request] = deque()
+        self.swapped: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival_index
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, tuple[Request, Sequence]] = {}
         self._finished_seq_ids: set[int] = set()
+        self._seq_ids = itertools.count()
+        self.beam = BeamSearcher(self)
         self.stats = SchedulerStats()
+
+    def next_seq_id(self) -> int:
+        return next(self._seq_ids)
 
     # ---- request lifecycle -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -64,54 +81,122 @@ class Scheduler:
 
     def stop_sequence(self, req: Request, index: int) -> None:
         """Finish one completion early (a stop string matched in the engine's detokenizer)."""
-        seq = req.seqs[index]
-        if seq.finished or req.finished:
+        seq = next((s for s in req.seqs if s.index == index), None)
+        if seq is None or seq.finished or req.finished:
             return
-        self._finish_seq(seq, RequestStatus.FINISHED_STOPPED)
-        if not req.live_seqs:
-            self._finish_request(req, RequestStatus.FINISHED_STOPPED)
+        self.finish_seq(req, seq, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
-    def _finish_seq(self, seq: Sequence, status: RequestStatus) -> None:
+    def _free_blocks(self, seq: Sequence) -> None:
+        if seq.status == RequestStatus.SWAPPED:
+            self.cpu_pool.decref(seq.block_table)
+            seq.block_table = []
+        else:
+            self.block_manager.free(seq)
+
+    def finish_seq(self, req: Request, seq: Sequence, status: RequestStatus) -> None:
+        """End one sequence; the request ends with its last live sequence."""
+        self._free_blocks(seq)
         seq.status = status
-        self.block_manager.free(seq)
         self._finished_seq_ids.add(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
+        if not req.live_seqs and not req.finished:
+            self._finish_request(req, status)
+
+    def drop_seq(self, req: Request, seq: Sequence) -> None:
+        """Remove a sequence that will not be returned (a pruned beam)."""
+        self.finish_seq(req, seq, RequestStatus.FINISHED_ABORTED)
+        req.seqs.remove(seq)
 
     def _finish_request(self, req: Request, status: RequestStatus) -> None:
         for seq in req.live_seqs:
-            self._finish_seq(seq, status)
-        if req.status == RequestStatus.WAITING:
-            self.waiting.remove(req)
-        elif req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
+            self._free_blocks(seq)
+            seq.status = status
+            self._finished_seq_ids.add(seq.seq_id)
+            self.seqs.pop(seq.seq_id, None)
+        for queue in (self.waiting, self.running, self.swapped):
+            if req in queue:
+                queue.remove(req)
         req.status = status
-        del self.requests[req.request_id]
+        self.requests.pop(req.request_id, None)
+
+    def add_seq(self, req: Request, seq: Sequence) -> None:
+        req.seqs.append(seq)
+        self.seqs[seq.seq_id] = (req, seq)
+
+    # ---- preemption --------------------------------------------------------------------------
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        mode = self.config.preemption_mode
+        if mode is None:
+            mode = "swap" if len(req.live_seqs) > 1 or req.sampling_params.best_of > 1 else "recompute"
+        if mode == "swap" and self._swap_out(req, out):
+            self.swapped.append(req)
+            self.swapped = deque(sorted(self.swapped, key=lambda r: r.arrival_index))
+        else:
+            mode = "recompute"
+            for seq in req.live_seqs:
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                seq.block_hashes = []
+                seq.status = RequestStatus.WAITING
+                seq.num_sent_tokens = 0
+                self._finished_seq_ids.add(seq.seq_id)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        req.num_preemptions += 1
+        self.stats.num_preemptions[mode] += 1
+
+    def _swap_out(self, req: Request, out: SchedulerOutput) -> bool:
+        seqs = req.live_seqs
+        distinct = {b for s in seqs for b in s.block_table}
+        if len(distinct) > self.cpu_pool.num_free:
+            return False
+        mapping = dict(zip(sorted(distinct), self.cpu_pool.allocate(len(distinct))))
+        for seq in seqs:
+            cpu_table = [mapping[b] for b in seq.block_table]
+            self.block_manager.free(seq)
+            seq.block_table = cpu_table
+            seq.status = RequestStatus.SWAPPED
+            seq.num_sent_tokens = 0
+            self._finished_seq_ids.add(seq.seq_id)
+        # Each CPU block starts with one reference; add the others (blocks shared inside the request).
+        refs = [b for s in seqs for b in s.block_table]
+        for b in set(refs):
+            self.cpu_pool.incref([b] * (refs.count(b) - 1))
+        out.blocks_to_swap_out.extend(mapping.items())
+        self.stats.num_swapped_out_blocks += len(mapping)
+        req.status = RequestStatus.SWAPPED
+        return True
+
+    def _swap_in(self, req: Request, out: SchedulerOutput) -> bool:
+        seqs = req.live_seqs
+        distinct = sorted({b for s in seqs for b in s.block_table})
+        # Room for the restored blocks plus one new block per sequence for the next token.
+        if len(distinct) + len(seqs) > self.block_manager.num_free_blocks:
+            return False
+        mapping = dict(zip(distinct, self.block_manager.pool.allocate(len(distinct))))
+        refs = [b for s in seqs for b in s.block_table]
+        for c in distinct:
+            self.block_manager.pool.incref([mapping[c]] * (refs.count(c) - 1))
+        for seq in seqs:
+            self.cpu_pool.decref(seq.block_table)
+            seq.block_table = [mapping[c] for c in seq.block_table]
+            seq.status = RequestStatus.RUNNING
+        out.blocks_to_swap_in.extend(mapping.items())
+        self.stats.num_swapped_in_blocks += len(mapping)
+        req.status = RequestStatus.RUNNING
+        return True
 
     # ---- scheduling --------------------------------------------------------------------------
-    def _preempt(self, req: Request) -> None:
-        """Recompute preemption: drop the KV, keep the tokens; resumes ahead of new arrivals."""
-        self.running.remove(req)
-        for seq in req.live_seqs:
-            self.block_manager.free(seq)
-            seq.num_computed_tokens = 0
-            seq.num_sent_tokens = 0
-            seq.status = RequestStatus.WAITING
-            self._finished_seq_ids.add(seq.seq_id)
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.stats.num_preemptions["recompute"] += 1
-        self.waiting.appendleft(req)
-
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
-        self._finished_seq_ids = set()
+        out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
         preempted = False
@@ -124,43 +209,86 @@ class Scheduler:
             n = min(max(s.num_tokens - s.num_computed_tokens for s in seqs), budget // len(seqs))
             if n <= 0:
                 break
-            scheduled_self = True
-            while not all(bm.allocate_slots(s, min(n, s.num_tokens - s.num_computed_tokens)) for s in seqs):
-                victim = self.running[-1]
-                self._preempt(victim)
+            if not self._allocate(req, n, out):
                 preempted = True
-                if victim is req:
-                    scheduled_self = False
+                while self.running[-1] is not req and not self._allocate(req, n, out):
+                    self._preempt(self.running[-1], out)
+                if self.running[-1] is req and not self._allocate(req, n, out):
+                    self._preempt(req, out)
                     break
-            if not scheduled_self:
-                break
-            for s in seqs:
-                budget -= self._schedule_seq(out, req, s, min(n, s.num_tokens - s.num_computed_tokens))
+            budget -= self._schedule_request(out, req, n)
             i += 1
 
-        while (self.waiting and budget > 0 and not preempted
+        if not preempted:
+            while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.swapped[0]
+                if not self._swap_in(req, out):
+                    break
+                self.swapped.popleft()
+                n = min(max(s.num_tokens - s.num_computed_tokens for s in req.live_seqs), budget // len(req.live_seqs))
+                if n <= 0 or not self._allocate(req, n, out):
+                    raise RuntimeError("swap-in reserved too few blocks")
+                bisect.insort(self.running, req, key=lambda r: r.arrival_index)
+                budget -= self._schedule_request(out, req, n)
+
+        while (self.waiting and budget > 0 and not preempted and not self.swapped
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            seqs = req.live_seqs
-            remaining = max(s.num_tokens - s.num_computed_tokens for s in seqs)
-            if not self.config.enable_chunked_prefill and remaining > budget:
+            if not self._admit(req, budget, out):
                 break
-            n = min(remaining, budget // len(seqs))
-            if n <= 0 or not bm.can_admit(seqs, n, use_watermark=bool(self.running)):
-                break
-            for s in seqs:
-                bm.allocate_slots(s, n)
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            bisect.insort(self.running, req, key=lambda r: r.arrival_index)
-            for s in seqs:
-                s.status = RequestStatus.RUNNING
-                budget -= self._schedule_seq(out, req, s, n)
+            budget -= self._schedule_request(out, req, self._admit_tokens(req, budget))
 
+        out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, set()
+        self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
         self._record_stats()
         return out
+
+    def _allocate(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        bm = self.block_manager
+        seqs = req.live_seqs
+        need = sum(bm.blocks_needed(s, min(n, s.num_tokens - s.num_computed_tokens)) for s in seqs)
+        if need > bm.num_free_blocks:
+            return False
+        for s in seqs:
+            bm.allocate_slots(s, min(n, s.num_tokens - s.num_computed_tokens), out.blocks_to_copy)
+        return True
+
+    @staticmethod
+    def _admit_tokens(req: Request, budget: int) -> int:
+        seqs = req.live_seqs
+        return min(max(s.num_tokens - s.num_computed_tokens for s in seqs), budget // len(seqs))
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> bool:
+        """Move the head of the waiting queue to running if its first chunk fits; reuse cached blocks."""
+        bm = self.block_manager
+        seqs = req.live_seqs
+        for s in seqs:
+            bm.take_prefix(s, bm.match_prefix(s, req.cache_salt))
+        n = self._admit_tokens(req, budget)
+        remaining = max(s.num_tokens - s.num_computed_tokens for s in seqs)
+        fits = n > 0 and (self.config.enable_chunked_prefill or n == remaining)
+        if not fits or not bm.can_admit(seqs, n, use_watermark=bool(self.running)):
+            for s in seqs:
+                bm.free(s)
+                s.num_computed_tokens = 0
+            return False
+        self.waiting.popleft()
+        cached = sum(s.num_computed_tokens for s in seqs)
+        self.stats.prefix_cache_queries += sum(s.num_tokens for s in seqs)
+        self.stats.prefix_cache_hits += cached
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+            req.num_cached_tokens = cached
+        self._allocate(req, n, out)
+        req.status = RequestStatus.RUNNING
+        for s in seqs:
+            s.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.arrival_index)
+        return True
+
+    def _schedule_request(self, out: SchedulerOutput, req: Request, n: int) -> int:
+        return sum(self._schedule_seq(out, req, s, min(n, s.num_tokens - s.num_computed_tokens))
+                   for s in req.live_seqs)
 
     def _schedule_seq(self, out: SchedulerOutput, req: Request, seq: Sequence, n: int) -> int:
         if seq.num_sent_tokens == 0:
@@ -174,7 +302,7 @@ class Scheduler:
             out.scheduled_cached_seqs.append(CachedSeqData(
                 seq_id=seq.seq_id, new_token_ids=seq.token_ids[seq.num_sent_tokens:],
                 new_block_ids=seq.block_table[seq.num_sent_blocks:],
-                num_computed_tokens=seq.num_computed_tokens))
+                num_computed_tokens=seq.num_computed_tokens, num_kept_blocks=seq.num_sent_blocks))
         seq.num_sent_tokens = seq.num_tokens
         seq.num_sent_blocks = len(seq.block_table)
         seq.num_computed_tokens += n
@@ -189,12 +317,19 @@ class Scheduler:
         st.num_steps += 1
         st.peak_blocks_used = max(st.peak_blocks_used, used)
         if used:
-            filled = sum(s.num_computed_tokens for r in self.running for s in r.live_seqs)
-            st.waste_sum += 1.0 - filled / (used * self.block_size)
+            # Distinct blocks and the tokens they hold: a block shared by forks counts once.
+            filled = {b: min(self.block_size, s.num_computed_tokens - i * self.block_size)
+                      for r in self.running for s in r.live_seqs for i, b in enumerate(s.block_table)}
+            st.waste_sum += max(0.0, 1.0 - sum(filled.values()) / (used * self.block_size))
 
     # ---- results -----------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput,
                            max_model_len: int) -> list[SeqUpdate]:
+        bm = self.block_manager
+        for seq_id in sched.num_scheduled_tokens:
+            if seq_id in self.seqs:
+                req, seq = self.seqs[seq_id]
+                bm.cache_full_blocks(seq, req.cache_salt)
         updates: dict[str, SeqUpdate] = {}
         for seq_id, plps in result.prompt_logprobs.items():
             if seq_id not in self.seqs:
@@ -204,27 +339,47 @@ class Scheduler:
             upd.prompt_logprobs = (upd.prompt_logprobs or []) + plps
             if seq.num_computed_tokens >= seq.prompt_len:
                 req.prompt_logprobs_done = True
-        logprobs = result.sampled_logprobs
-        for k, (seq_id, token) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
+        samples: dict[int, list[int]] = {}
+        for k, seq_id in enumerate(result.seq_ids):
+            samples.setdefault(seq_id, []).append(k)
+        for seq_id, rows in samples.items():
             if seq_id not in self.seqs:  # aborted while the step ran
                 continue
             req, seq = self.seqs[seq_id]
-            seq.token_ids.append(token)
             upd = updates.setdefault(req.request_id, SeqUpdate(req))
-            upd.new_token_ids.setdefault(seq.index, []).append(token)
-            if logprobs is not None:
-                seq.cumulative_logprob += logprobs[k]
-                top = result.top_logprobs.get(seq_id, ([], [], 0))
-                upd.new_logprobs.setdefault(seq.index, []).append((logprobs[k], top[0], top[1], top[2]))
-            status = self._check_stop(req, seq, token, max_model_len)
-            if status is not None:
-                self._finish_seq(seq, status)
-                if not req.live_seqs:
-                    self._finish_request(req, status)
+            if req.beam_params is not None:
+                self.beam.record(req, seq, result, rows[0])
+                continue
+            targets = [seq]
+            for j in range(1, len(rows)):  # first sample of a best_of request: fork the prompt
+                child = seq.fork(self.next_seq_id(), req.next_seq_index, child_seed(seq.seed, j))
+                req.next_seq_index += 1
+                bm.fork(seq, child)
+                self.add_seq(req, child)
+                targets.append(child)
+            for target, k in zip(targets, rows):
+                self._append(req, target, result, k, upd, max_model_len)
+        for req in self.beam.step_done():
+            updates.setdefault(req.request_id, SeqUpdate(req))
         return list(updates.values())
 
+    def _append(self, req: Request, seq: Sequence, result: ModelRunnerOutput, k: int, upd: SeqUpdate,
+                max_model_len: int) -> None:
+        token = result.sampled_token_ids[k]
+        seq.token_ids.append(token)
+        upd.new_token_ids.setdefault(seq.index, []).append(token)
+        if result.sampled_logprobs is not None:
+            lp = result.sampled_logprobs[k]
+            seq.cumulative_logprob += lp
+            if req.sampling_params.logprobs is not None:
+                top = result.top_logprobs.get(k, ([], [], 0))
+                upd.new_logprobs.setdefault(seq.index, []).append((lp, top[0], top[1], top[2]))
+        status = self.check_stop(req, seq, token, max_model_len)
+        if status is not None:
+            self.finish_seq(req, seq, status)
+
     @staticmethod
-    def _check_stop(req: Request, seq: Sequence, token: int, max_model_len: int) -> RequestStatus | None:
+    def check_stop(req: Request, seq: Sequence, token: int, max_model_len: int) -> RequestStatus | None:
         sp = req.sampling_params
         n_out = seq.num_output_tokens
         if n_out >= sp.min_tokens:

@@ -16,8 +16,11 @@ class UniProcExecutor:
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.worker.init_kv_cache(num_blocks)
+    def num_cpu_blocks(self) -> int:
+        return self.worker.num_cpu_blocks()
+
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self.worker.init_kv_cache(num_blocks, num_cpu_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)

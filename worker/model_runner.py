@@ -11,6 +11,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.kernels import get_backend
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.scheduler.request import child_seed
 from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
 from pagedserve.worker.layers.attention import Attention
 from pagedserve.worker.models.loader import load_model
@@ -51,6 +52,8 @@ class ModelRunner:
         self.states: dict[int, SeqState] = {}
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
+        self.cpu_k_caches: list[torch.Tensor] = []  # swap space
+        self.cpu_v_caches: list[torch.Tensor] = []
         self.vocab_size = config.model_config.vocab_size
 
     # ---- KV cache ----------------------------------------------------------------------------
@@ -59,15 +62,35 @@ class ModelRunner:
         elem = torch.empty(0, dtype=self.config.model_config.dtype).element_size()
         return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_size * elem
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         dtype = self.config.model_config.dtype
-        self.k_caches, self.v_caches = [], []
+        self.k_caches, self.v_caches, self.cpu_k_caches, self.cpu_v_caches = [], [], [], []
+        pin = self.device.type == "cuda"
         for layer in self.attn_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
             layer.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             self.k_caches.append(layer.k_cache)
             self.v_caches.append(layer.v_cache)
+            cpu_shape = (num_cpu_blocks, *shape[1:])
+            # Swap space is only read where it was written: leave it untouched until used.
+            self.cpu_k_caches.append(torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
+            self.cpu_v_caches.append(torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
+
+    def _move_blocks(self, sched: SchedulerOutput) -> None:
+        """Swap out, then swap in, then copy-on-write: all before this step's forward writes."""
+        for pairs, src, dst in ((sched.blocks_to_swap_out, (self.k_caches, self.v_caches),
+                                 (self.cpu_k_caches, self.cpu_v_caches)),
+                                (sched.blocks_to_swap_in, (self.cpu_k_caches, self.cpu_v_caches),
+                                 (self.k_caches, self.v_caches))):
+            if pairs:
+                mapping = torch.tensor(pairs, dtype=torch.long)
+                for s_caches, d_caches in zip(src, dst):
+                    for s_cache, d_cache in zip(s_caches, d_caches):
+                        self.backend.swap_blocks(s_cache, d_cache, mapping)
+        if sched.blocks_to_copy:
+            self.backend.copy_blocks(self.k_caches, self.v_caches,
+                                     torch.tensor(sched.blocks_to_copy, dtype=torch.long, device=self.device))
 
     # ---- per-step state ----------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> dict[int, int]:
@@ -81,6 +104,7 @@ class ModelRunner:
         for d in sched.scheduled_cached_seqs:
             st = self.states[d.seq_id]
             st.token_ids.extend(d.new_token_ids)
+            del st.block_ids[d.num_kept_blocks:]
             st.block_ids.extend(d.new_block_ids)
             starts[d.seq_id] = d.num_computed_tokens
         return starts
@@ -129,7 +153,16 @@ class ModelRunner:
                           torch.from_numpy(positions).to(dev), attn, sample_rows,
                           torch.tensor(logits_idx, dtype=torch.long, device=dev), prompt_chunks)
 
-    def _sampling_metadata(self, states: list[SeqState]) -> SamplingMetadata:
+    @staticmethod
+    def _sample_rows(seq_ids: list[int], states: list[SeqState]) -> list[tuple[int, SeqState, int]]:
+        """(seq_id, state, seed) per output row: a best_of request's first sample makes best_of rows."""
+        rows = []
+        for seq_id, st in zip(seq_ids, states):
+            forks = st.params.best_of if len(st.token_ids) == st.prompt_len else 1
+            rows += [(seq_id, st, child_seed(st.seed, j)) for j in range(forks)]
+        return rows
+
+    def _sampling_metadata(self, states: list[SeqState], seeds: list[int]) -> SamplingMetadata:
         dev = self.device
         params = [s.params for s in states]
         temps = [0.0 if p.is_greedy else p.temperature for p in params]
@@ -146,9 +179,11 @@ class ModelRunner:
             top_k=col([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, vocab),
             top_p=col([p.top_p for p in params], torch.float32, 1.0),
             min_p=col([p.min_p for p in params], torch.float32, 0.0),
-            seeds=torch.tensor([s.seed for s in states], dtype=torch.long),
+            seeds=torch.tensor(seeds, dtype=torch.long),
             counters=torch.tensor([len(s.token_ids) - s.prompt_len for s in states], dtype=torch.long),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1))
+        if md.max_num_logprobs < 0 and any(p.best_of > p.n for p in params):
+            md.max_num_logprobs = 0  # best_of ranks completions by cumulative logprob
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
             md.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
@@ -169,9 +204,7 @@ class ModelRunner:
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        if sched.blocks_to_copy:
-            self.backend.copy_blocks(self.k_caches, self.v_caches,
-                                     torch.tensor(sched.blocks_to_copy, device=self.device))
+        self._move_blocks(sched)
         if sched.is_empty:
             self._update_states(sched)
             return ModelRunnerOutput([], [])
@@ -190,8 +223,13 @@ class ModelRunner:
         out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
         if not inp.sample_rows:
             return out
-        states = [self.states[s] for s in out.seq_ids]
-        md = self._sampling_metadata(states)
+        rows = self._sample_rows(out.seq_ids, [self.states[s] for s in out.seq_ids])
+        if len(rows) > len(out.seq_ids):
+            repeat = torch.tensor([sum(1 for r in rows if r[0] == s) for s in out.seq_ids], device=logits.device)
+            logits = logits.repeat_interleave(repeat, dim=0)
+            out.seq_ids = [r[0] for r in rows]
+        states = [r[1] for r in rows]
+        md = self._sampling_metadata(states, [r[2] for r in rows])
         res = sample(logits, md)
         out.sampled_token_ids = res.token_ids.tolist()
         out.timings["sample"] = time.perf_counter() - t2
@@ -200,10 +238,10 @@ class ModelRunner:
             ranks = res.ranks.tolist()
             top_ids = res.top_ids.tolist() if res.top_ids is not None else None
             top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
-            for i, (seq_id, st) in enumerate(zip(out.seq_ids, states)):
+            for i, st in enumerate(states):
                 k = st.params.logprobs
                 if k is not None:
-                    out.top_logprobs[seq_id] = (top_ids[i][:k] if k else [], top_lps[i][:k] if k else [], ranks[i])
+                    out.top_logprobs[i] = (top_ids[i][:k] if k else [], top_lps[i][:k] if k else [], ranks[i])
         return out
 
     def _sync(self) -> None:

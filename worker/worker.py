@@ -72,8 +72,11 @@ class Worker:
         free = total * self.config.cache_config.gpu_memory_utilization - peak
         return max(int(free) // per_block, 0)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.model_runner.init_kv_cache(num_blocks)
+    def num_cpu_blocks(self) -> int:
+        return int(self.config.cache_config.swap_space * (1 << 30)) // self.model_runner.kv_bytes_per_block()
+
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self.model_runner.init_kv_cache(num_blocks, num_cpu_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)
