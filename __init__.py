@@ -2,8 +2,9 @@
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "BeamSearchParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"

@@ -40,3 +40,19 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]  # prompt + generated
+    text: str | None
+    cum_logprob: float
+    score: float  # cum_logprob / generated_len ** length_penalty (HF's sequences_scores)
+    finish_reason: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
+    request_id: str = ""
+    finished: bool = True

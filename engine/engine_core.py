@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler.request import Request, Sequence
 from pagedserve.scheduler.scheduler import Scheduler, SeqUpdate
 
@@ -54,7 +54,7 @@ class EngineCore:
         self._rng = random.Random(config.seed)
         self.last_step: StepStats | None = None
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_seqs: int | None = None) -> None:
         """Raise ValueError for a request that cannot run; nothing is allocated yet."""
         n = len(prompt_token_ids)
         if n == 0:
@@ -70,7 +70,7 @@ class EngineCore:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds "
                 f"max_model_len {self.max_model_len}")
         total = n + (params.max_tokens if params.max_tokens is not None else self.max_model_len - n)
-        need = -(-total // self.scheduler.block_size) * params.best_of
+        need = -(-total // self.scheduler.block_size) * (num_seqs or params.best_of)
         if need > self.scheduler.block_manager.num_blocks:
             raise ValueError(f"request needs up to {need} KV blocks but the cache holds only "
                              f"{self.scheduler.block_manager.num_blocks}; lower max_tokens or raise kv_cache_memory")
@@ -82,18 +82,30 @@ class EngineCore:
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.vocab_size:
             raise ValueError(f"prompt_logprobs must be at most the vocabulary size {self.vocab_size}")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams,
                     cache_salt: str | None = None) -> Request:
+        """Queue a request; ``BeamSearchParams`` make it a beam search of ``beam_width`` beams."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.validate(prompt_token_ids, params)
+        beam = params if isinstance(params, BeamSearchParams) else None
+        if beam is not None:
+            params = self.beam_sampling_params(beam)
+        self.validate(prompt_token_ids, params, beam.beam_width if beam else None)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(seq_id=self.scheduler.next_seq_id(), index=0, token_ids=list(prompt_token_ids),
                        prompt_len=len(prompt_token_ids), seed=base_seed & _SEED_MASK)
         req = Request(request_id, list(prompt_token_ids), params, [seq], arrival_index=next(self._arrivals),
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, beam_params=beam)
+        if beam is not None:
+            req.beam_state = self.scheduler.beam.init_state(req, set(self.config.model_config.eos_token_ids))
         self.scheduler.add_request(req)
         return req
+
+    def beam_sampling_params(self, bp: BeamSearchParams) -> SamplingParams:
+        """The per-beam step: greedy, returning enough top logprobs to rank all continuations."""
+        eos = 0 if bp.ignore_eos else len(self.config.model_config.eos_token_ids)
+        k = min(max(2, 1 + eos) * bp.beam_width, self.vocab_size)
+        return SamplingParams(temperature=0.0, max_tokens=bp.max_tokens, logprobs=k, ignore_eos=True)
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.block_manager.reset_prefix_cache()

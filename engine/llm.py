@@ -7,8 +7,8 @@ from tqdm.auto import tqdm
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
-from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.outputs import BeamSearchOutput, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -51,7 +51,21 @@ class LLM:
         ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search per prompt, run inside the engine; each output's ``sequences`` are best first."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        for i, p in enumerate(prompts):
+            try:
+                self.llm_engine.validate(p, params)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [self.llm_engine.add_request(None, p, params) for p in prompts]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
         engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
@@ -61,7 +75,7 @@ class LLM:
                 for out in engine.step():
                     if out.finished:
                         results[out.request_id] = out
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        out_tokens += sum(len(c.token_ids) for c in getattr(out, "outputs", []))
                         bar.update(1)
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} tok/s", refresh=False)

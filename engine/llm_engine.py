@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pagedserve.config import EngineArgs, EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.engine_core import EngineCore
-from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from pagedserve.scheduler.scheduler import SeqUpdate
 
@@ -84,21 +84,29 @@ class LLMEngine:
         params.all_stop_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
         return params
 
-    def validate(self, prompt: PromptType, params: SamplingParams | None) -> tuple[str | None, list[int], SamplingParams]:
+    def validate(self, prompt: PromptType, params: SamplingParams | BeamSearchParams | None):
+        """Tokenize and check a request without queueing it: (prompt text, token ids, params)."""
         text, ids = self.tokenize_prompt(prompt)
+        if isinstance(params, BeamSearchParams):
+            self.core.validate(ids, self.core.beam_sampling_params(params), params.beam_width)
+            return text, ids, params
         params = self.prepare_params(params)
         self.core.validate(ids, params)
         return text, ids, params
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    stream: bool = False) -> str:
-        """Queue a request. ``stream`` detokenizes every step (for streaming) rather than at the end."""
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | BeamSearchParams | None = None, stream: bool = False) -> str:
+        """Queue a request. ``stream`` detokenizes every step (for streaming) rather than at the end.
+        With ``BeamSearchParams`` it is a beam search, whose single output is a ``BeamSearchOutput``."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already running")
         text, ids, params = self.validate(prompt, params)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         req = self.core.add_request(request_id, ids, params, cache_salt=salt)
+        if isinstance(params, BeamSearchParams):
+            self.states[request_id] = _RequestState(req, text, req.sampling_params, False, [])
+            return request_id
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
         incremental = (stream or bool(params.stop)) and self.tokenizer is not None
@@ -145,6 +153,8 @@ class LLMEngine:
         return d
 
     def _apply(self, st: _RequestState, upd: SeqUpdate) -> None:
+        if st.request.beam_params is not None:
+            return
         if upd.prompt_logprobs and st.prompt_logprobs is not None:
             st.prompt_logprobs += [self._logprob_dict(*entry) for entry in upd.prompt_logprobs]
         if upd.new_token_ids and st.first_token_time is None:
@@ -165,7 +175,18 @@ class LLMEngine:
                 c.finish_reason = FINISH_REASONS[seq.status]
                 c.stop_reason = seq.stop_reason
 
-    def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput:
+    def _beam_output(self, st: _RequestState) -> BeamSearchOutput:
+        seqs = []
+        for h in st.request.beam_state.finished:
+            text = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(h.token_ids[len(st.request.prompt_token_ids):], skip_special_tokens=True)
+            seqs.append(BeamSearchSequence(h.token_ids, text, h.cum_logprob, h.score, h.finish_reason))
+        return BeamSearchOutput(seqs, st.request.request_id)
+
+    def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput | BeamSearchOutput:
+        if st.request.beam_params is not None:
+            return self._beam_output(st)
         outs = []
         completions = st.completions
         n, best_of = st.params.n, st.params.best_of

@@ -99,6 +99,7 @@ class Request:
     cache_salt: str | None = None
     next_seq_index: int = 1
     beam_params: object | None = None  # BeamSearchParams for beam-search requests
+    beam_state: object | None = None
 
     @property
     def live_seqs(self) -> list[Sequence]:

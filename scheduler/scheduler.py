@@ -135,7 +135,8 @@ class Scheduler:
         self.running.remove(req)
         mode = self.config.preemption_mode
         if mode is None:
-            mode = "swap" if len(req.live_seqs) > 1 or req.sampling_params.best_of > 1 else "recompute"
+            multi = len(req.live_seqs) > 1 or req.sampling_params.best_of > 1 or req.beam_params is not None
+            mode = "swap" if multi else "recompute"
         if mode == "swap" and self._swap_out(req, out):
             self.swapped.append(req)
             self.swapped = deque(sorted(self.swapped, key=lambda r: r.arrival_index))
