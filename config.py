@@ -105,6 +105,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of CPU blocks per worker for swap preemption
+    enable_block_sharing: bool = True  # False: forks copy all blocks (the no-sharing baseline)
     num_blocks: int = 0  # resolved by the workers
     num_cpu_blocks: int = 0
 
@@ -156,6 +157,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     preemption_mode: str | None = None
     swap_space: float = 4.0
+    enable_block_sharing: bool = True
     attention_backend: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -200,7 +202,8 @@ class EngineArgs:
                 block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 gpu_memory_utilization=self.gpu_memory_utilization,
-                enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space),
+                enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space,
+                enable_block_sharing=self.enable_block_sharing),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode),

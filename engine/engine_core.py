@@ -49,7 +49,8 @@ class EngineCore:
         logger.info("KV cache: %d blocks = %d tokens (+ %d CPU swap blocks)", num_blocks, num_blocks * bs,
                     num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler_config, num_blocks, bs,
-                                   config.cache_config.enable_prefix_caching, num_cpu_blocks)
+                                   config.cache_config.enable_prefix_caching, num_cpu_blocks,
+                                   config.cache_config.enable_block_sharing)
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self.last_step: StepStats | None = None

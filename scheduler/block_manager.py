@@ -108,8 +108,10 @@ class BlockPool:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 watermark: float = 0.01) -> None:
+                 watermark: float = 0.01, share_blocks: bool = True) -> None:
         self.block_size = block_size
+        # share_blocks=False is the no-sharing baseline: a forked sequence copies every shared block.
+        self.share_blocks = share_blocks
         self.pool = BlockPool(num_blocks, enable_caching)
         # New requests are admitted only while this many blocks stay free, so running ones can grow.
         self.watermark_blocks = int(watermark * num_blocks)
@@ -129,16 +131,20 @@ class BlockManager:
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
         need = max(0, -(-total // self.block_size) - len(seq.block_table))
-        return need + int(self._needs_cow(seq, num_new_tokens))
+        return need + len(self._cow_targets(seq, num_new_tokens))
 
     def can_admit(self, seqs: list[Sequence], num_new_tokens: int, use_watermark: bool = True) -> bool:
         need = sum(self.blocks_needed(s, min(num_new_tokens, s.num_tokens - s.num_computed_tokens)) for s in seqs)
         return self.pool.num_free - need >= (self.watermark_blocks if use_watermark else 0)
 
-    def _needs_cow(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """The next write lands in an existing block that another sequence also references."""
+    def _cow_targets(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Logical blocks to copy before this step: the shared block the next write lands in
+        (or, without sharing, every shared block)."""
+        ref = self.pool.ref_cnt
+        if not self.share_blocks:
+            return [i for i, b in enumerate(seq.block_table) if ref[b] > 1]
         i = seq.num_computed_tokens // self.block_size
-        return num_new_tokens > 0 and i < len(seq.block_table) and self.pool.ref_cnt[seq.block_table[i]] > 1
+        return [i] if num_new_tokens > 0 and i < len(seq.block_table) and ref[seq.block_table[i]] > 1 else []
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        blocks_to_copy: list[tuple[int, int]] | None = None) -> bool:
@@ -148,8 +154,7 @@ class BlockManager:
         """
         if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free:
             return False
-        if self._needs_cow(seq, num_new_tokens):
-            i = seq.num_computed_tokens // self.block_size
+        for i in self._cow_targets(seq, num_new_tokens):
             src = seq.block_table[i]
             (dst,) = self.pool.allocate(1)
             self.pool.decref([src])

@@ -47,10 +47,10 @@ class SeqUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = False, num_cpu_blocks: int = 0) -> None:
+                 enable_prefix_caching: bool = False, num_cpu_blocks: int = 0, share_blocks: bool = True) -> None:
         self.config = config
         self.block_size = block_size
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching, share_blocks=share_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks)
         self.waiting: deque[Request] = deque()
         self.swapped: deque[Request] = deque()

@@ -131,3 +131,13 @@ def test_swap_and_recompute_give_identical_outputs(llama_dir, mode):
         assert st.num_preemptions["swap"] > 0 and st.num_swapped_in_blocks == st.num_swapped_out_blocks > 0
     assert_all_blocks_free(tight)
     assert tight.llm_engine.core.scheduler.cpu_pool.num_free == tight.llm_engine.core.scheduler.cpu_pool.num_blocks
+
+
+def test_sharing_disabled_baseline_same_outputs_more_blocks(llama_dir):
+    prompts = random_prompts(4, seed=46, min_len=30, max_len=40)
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    shared = LLM(llama_dir, enable_prefix_caching=False)
+    private = LLM(llama_dir, enable_prefix_caching=False, enable_block_sharing=False)
+    assert _outs(shared, prompts, params) == _outs(private, prompts, params)
+    assert _stats(private).peak_blocks_used > _stats(shared).peak_blocks_used
+    assert_all_blocks_free(private)
