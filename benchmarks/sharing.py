@@ -39,6 +39,7 @@ def _spy_blocks(llm: LLM) -> list[tuple[int, int]]:
 
 
 def _run(model_dir: str, prompts, kind: str, width: int, max_tokens: int, **engine) -> dict:
+    engine.setdefault("kv_cache_memory", 1 << 30)
     llm = LLM(model_dir, skip_tokenizer_init=True, enable_prefix_caching=False, **engine)
     samples = _spy_blocks(llm)
     items = [{"prompt_token_ids": p} for p in prompts]
@@ -95,7 +96,7 @@ def prefix_caching(model_dir: str) -> dict:
     results = {}
     for on in (False, True):
         engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, skip_tokenizer_init=True,
-                                                       enable_prefix_caching=on))
+                                                       enable_prefix_caching=on, kv_cache_memory=1 << 30))
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         t = time.perf_counter()
         for i, p in enumerate(wl.prompts):
@@ -125,16 +126,21 @@ def main() -> None:
     ap.add_argument("--model", default="bench-llama-58m", choices=sorted(REFERENCE_MODELS))
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--parts", nargs="+", default=["prefix", "sharing"], choices=["prefix", "sharing"])
     args = ap.parse_args()
     model_dir = reference_model(args.model)
-    results = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens, "seeds": SEEDS,
-               "prefix_caching": prefix_caching(model_dir),
-               "sharing": sharing_table(model_dir, args.prompts, args.max_tokens)}
+    results = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens, "seeds": SEEDS}
+    if "prefix" in args.parts:
+        results["prefix_caching"] = prefix_caching(model_dir)
+    if "sharing" in args.parts:
+        results["sharing"] = sharing_table(model_dir, args.prompts, args.max_tokens)
     print("saved", save_results("sharing", results))
     plot(results)
 
 
 def plot(results: dict) -> None:
+    if "sharing" not in results:
+        return
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,6 +1,7 @@
 """Offline throughput: pagedserve vs HF sequential and HF static batching, side by side in one run.
 
     python benchmarks/throughput.py [--model bench-llama-58m] [--workloads sharegpt alpaca]
+    python benchmarks/throughput.py --model bench-llama-7b-shape --device cuda --out gpu/throughput-h200
 
 Prints and saves (benchmarks/results/throughput.{json,png}) output tok/s, total tok/s, requests/s, the
 ratio to each baseline, KV blocks total/peak, KV waste, preemptions, model FLOP utilization, and the
@@ -23,8 +24,9 @@ from common import (REFERENCE_MODELS, Workload, make_workload, matmul_peak_flops
 from pagedserve import LLM, EngineArgs, LLMEngine, SamplingParams  # noqa: E402
 
 
-def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int) -> dict:
-    llm = LLM(model_dir, skip_tokenizer_init=True, max_num_seqs=max_num_seqs)
+def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int, device: str = "cpu") -> dict:
+    llm = LLM(model_dir, skip_tokenizer_init=True, max_num_seqs=max_num_seqs, device=device,
+              dtype="bfloat16" if device == "cuda" else "float32")
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
@@ -41,8 +43,8 @@ def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int) -> dict:
 
 def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> None:
     width = max(len(p) for p in batch)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -71,10 +73,11 @@ def run_hf_static(model, wl: Workload, num_batches: int, rng: random.Random, bat
     return {"requests": sum(map(len, batches)), "seconds": dt, "output_tok_s": useful / dt}
 
 
-def step_breakdown(model_dir: str, wl: Workload, running: int = 128, steps: int = 20) -> dict:
+def step_breakdown(model_dir: str, wl: Workload, running: int = 128, steps: int = 20, device: str = "cpu") -> dict:
     """Per-step time split with `running` sequences decoding."""
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, skip_tokenizer_init=True,
-                                                   max_num_seqs=running))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, skip_tokenizer_init=True, device=device,
+                                                   max_num_seqs=running,
+                                                   dtype="bfloat16" if device == "cuda" else "float32"))
     for i in range(running):
         engine.add_request(str(i), {"prompt_token_ids": wl.prompts[i % len(wl.prompts)][:256]},
                            SamplingParams(temperature=0, max_tokens=512, ignore_eos=True))
@@ -105,6 +108,8 @@ def main() -> None:
     ap.add_argument("--hf-static-batches", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: bf16 on the GPU")
+    ap.add_argument("--out", default="throughput", help="results file name (under benchmarks/results/)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -112,14 +117,16 @@ def main() -> None:
     model_dir = reference_model(args.model)
     cfg = REFERENCE_MODELS[args.model]
     params = num_params(model_dir)
-    peak = matmul_peak_flops()
-    print(f"{args.model}: {params / 1e6:.1f} M params; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s")
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    results = {"model": args.model, "params": params, "matmul_peak_flops": peak, "workloads": {}}
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    peak = matmul_peak_flops(dtype, 4096 if args.device == "cuda" else 1024, args.device)
+    print(f"{args.model}: {params / 1e6:.1f} M params; {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
+    results = {"model": args.model, "device": args.device, "params": params, "matmul_peak_flops": peak,
+               "workloads": {}}
     rng = random.Random(0)
     for name in args.workloads:
         wl = make_workload(name)
-        ours = run_pagedserve(model_dir, wl, args.max_num_seqs)
+        ours = run_pagedserve(model_dir, wl, args.max_num_seqs, args.device)
         seq = run_hf_sequential(hf, wl, args.hf_sequential_requests, rng)
         static = run_hf_static(hf, wl, args.hf_static_batches, rng)
         mean_ctx = statistics.mean(len(p) + o / 2 for p, o in zip(wl.prompts, wl.output_lens))
@@ -138,17 +145,17 @@ def main() -> None:
         print(f"  HF static(16) {static['output_tok_s']:8.1f} out tok/s  -> {ours['vs_hf_static']:.1f}x")
         print(f"  KV blocks {ours['kv_blocks_peak']}/{ours['kv_blocks_total']} peak, waste {ours['kv_waste']:.2%}, "
               f"preemptions {ours['preemptions']}")
-    bd = step_breakdown(model_dir, make_workload("sharegpt"))
+    bd = step_breakdown(model_dir, make_workload("sharegpt"), device=args.device)
     results["step_breakdown_128"] = bd
     print(f"\nstep at {bd['running']} running: {bd['total'] * 1e3:.1f} ms = schedule {bd['schedule'] * 1e3:.2f} + "
           f"prepare {bd['prepare'] * 1e3:.2f} + forward {bd['forward'] * 1e3:.1f} + sample {bd['sample'] * 1e3:.1f}"
           f" + update {bd['update'] * 1e3:.2f} + other {bd['other'] * 1e3:.2f} ms; scheduler + input prep = "
           f"{bd['scheduler_and_prep_share']:.1%}")
-    print("saved", save_results("throughput", results))
-    plot(results)
+    print("saved", save_results(args.out, results))
+    plot(results, args.out)
 
 
-def plot(results: dict) -> None:
+def plot(results: dict, name: str = "throughput") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,7 +178,7 @@ def plot(results: dict) -> None:
     ax2.set_xlabel("ms per step")
     ax2.set_title(f"step time at {bd['running']} running sequences")
     fig.tight_layout()
-    fig.savefig(results_path("throughput.png"), dpi=110)
+    fig.savefig(results_path(f"{name}.png"), dpi=110)
 
 
 def results_path(name: str) -> str:

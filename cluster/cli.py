@@ -28,7 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space per worker")
-    g.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
+    g.add_argument("--attention-backend", choices=["torch", "triton", "cpu"], default=None)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

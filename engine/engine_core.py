@@ -108,6 +108,20 @@ class EngineCore:
         k = min(max(2, 1 + eos) * bp.beam_width, self.vocab_size)
         return SamplingParams(temperature=0.0, max_tokens=bp.max_tokens, logprobs=k, ignore_eos=True)
 
+    def get_stats(self) -> dict[str, float]:
+        """Scheduler and KV-cache counters (the metrics exporter reads these)."""
+        sched = self.scheduler
+        bm, st = sched.block_manager, sched.stats
+        return {
+            "num_running": len(sched.running), "num_waiting": len(sched.waiting), "num_swapped": len(sched.swapped),
+            "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks, "kv_usage": bm.usage(),
+            "kv_blocks_shared": bm.num_shared_blocks(), "copy_on_write": bm.num_copy_on_write,
+            "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
+            "preemptions_recompute": st.num_preemptions["recompute"], "preemptions_swap": st.num_preemptions["swap"],
+            "swapped_in_blocks": st.num_swapped_in_blocks, "swapped_out_blocks": st.num_swapped_out_blocks,
+            "scheduled_tokens": st.num_scheduled_tokens, "steps": st.num_steps,
+        }
+
     def reset_prefix_cache(self) -> None:
         self.scheduler.block_manager.reset_prefix_cache()
 

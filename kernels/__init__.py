@@ -11,14 +11,20 @@ from types import ModuleType
 BACKENDS = {
     "torch": "pagedserve.kernels.torch_ref",
     "triton": "pagedserve.kernels.triton_ops",
+    "cpu": "pagedserve.kernels.cpu_ops",  # torch ops + a C++ decode-attention kernel
 }
 
 
 def default_backend(device_type: str) -> str:
-    return "triton" if device_type == "cuda" else "torch"
+    return "triton" if device_type == "cuda" else "cpu"
 
 
 def get_backend(name: str) -> ModuleType:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; choose one of {sorted(BACKENDS)}")
+    if name == "cpu":
+        from pagedserve.kernels import cpu_attention
+
+        if cpu_attention.load() is None:  # no compiler here: same semantics, pure torch
+            name = "torch"
     return importlib.import_module(BACKENDS[name])

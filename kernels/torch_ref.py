@@ -84,7 +84,9 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int
     scale: float,
     out: torch.Tensor | None = None,
+    decode_fn=None,
 ) -> torch.Tensor:
+    """``decode_fn`` (same arguments as ``_decode_attention``) lets a backend replace the decode rows."""
     if out is None:
         out = torch.empty_like(query)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -92,7 +94,8 @@ def paged_attention(
     if bool(decode.any()):
         rows = decode.nonzero().squeeze(1)
         tokens = query_start_loc[:-1][rows].long()
-        out[tokens] = _decode_attention(query[tokens], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
+        out[tokens] = (decode_fn or _decode_attention)(query[tokens], k_cache, v_cache, block_tables[rows],
+                                                      seq_lens[rows], scale)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for b in (query_lens > 1).nonzero().squeeze(1).tolist():

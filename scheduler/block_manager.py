@@ -128,6 +128,9 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / max(self.pool.num_blocks, 1)
 
+    def num_shared_blocks(self) -> int:
+        return sum(1 for c in self.pool.ref_cnt if c > 1)
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
         need = max(0, -(-total // self.block_size) - len(seq.block_table))

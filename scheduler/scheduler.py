@@ -135,8 +135,7 @@ class Scheduler:
         self.running.remove(req)
         mode = self.config.preemption_mode
         if mode is None:
-            multi = len(req.live_seqs) > 1 or req.sampling_params.best_of > 1 or req.beam_params is not None
-            mode = "swap" if multi else "recompute"
+            mode = "swap" if len(req.live_seqs) > 1 else "recompute"  # nothing is shared before the fork
         if mode == "swap" and self._swap_out(req, out):
             self.swapped.append(req)
             self.swapped = deque(sorted(self.swapped, key=lambda r: r.arrival_index))
@@ -176,22 +175,36 @@ class Scheduler:
         req.status = RequestStatus.SWAPPED
         return True
 
-    def _swap_in(self, req: Request, out: SchedulerOutput) -> bool:
+    def _swap_in(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Bring a swapped request back if its blocks and its next ``n`` tokens fit."""
         seqs = req.live_seqs
-        distinct = sorted({b for s in seqs for b in s.block_table})
-        # Room for the restored blocks plus one new block per sequence for the next token.
-        if len(distinct) + len(seqs) > self.block_manager.num_free_blocks:
-            return False
-        mapping = dict(zip(distinct, self.block_manager.pool.allocate(len(distinct))))
+        bm = self.block_manager
         refs = [b for s in seqs for b in s.block_table]
-        for c in distinct:
-            self.block_manager.pool.incref([mapping[c]] * (refs.count(c) - 1))
+        # Shared CPU blocks come back shared; without sharing, every sequence gets its own copies.
+        restore = sorted(set(refs)) if bm.share_blocks else refs
+        bs = self.block_size
+        grow = sum(max(0, -(-(s.num_computed_tokens + min(n, s.num_tokens - s.num_computed_tokens)) // bs)
+                       - len(s.block_table)) for s in seqs)
+        tails = len(seqs) if bm.share_blocks else 0  # a shared tail block is copied on its next write
+        if len(restore) + grow + tails > bm.num_free_blocks:
+            return False
+        pairs: list[tuple[int, int]] = []
+        if bm.share_blocks:
+            mapping = dict(zip(restore, bm.pool.allocate(len(restore))))
+            for c in restore:
+                bm.pool.incref([mapping[c]] * (refs.count(c) - 1))
+            pairs = list(mapping.items())
         for seq in seqs:
             self.cpu_pool.decref(seq.block_table)
-            seq.block_table = [mapping[c] for c in seq.block_table]
+            if bm.share_blocks:
+                seq.block_table = [mapping[c] for c in seq.block_table]
+            else:
+                new = bm.pool.allocate(len(seq.block_table))
+                pairs += zip(seq.block_table, new)
+                seq.block_table = new
             seq.status = RequestStatus.RUNNING
-        out.blocks_to_swap_in.extend(mapping.items())
-        self.stats.num_swapped_in_blocks += len(mapping)
+        out.blocks_to_swap_in.extend(pairs)
+        self.stats.num_swapped_in_blocks += len(pairs)
         req.status = RequestStatus.RUNNING
         return True
 
@@ -223,11 +236,11 @@ class Scheduler:
         if not preempted:
             while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.swapped[0]
-                if not self._swap_in(req, out):
+                n = self._admit_tokens(req, budget)
+                if n <= 0 or not self._swap_in(req, n, out):
                     break
                 self.swapped.popleft()
-                n = min(max(s.num_tokens - s.num_computed_tokens for s in req.live_seqs), budget // len(req.live_seqs))
-                if n <= 0 or not self._allocate(req, n, out):
+                if not self._allocate(req, n, out):
                     raise RuntimeError("swap-in reserved too few blocks")
                 bisect.insort(self.running, req, key=lambda r: r.arrival_index)
                 budget -= self._schedule_request(out, req, n)

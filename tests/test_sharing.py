@@ -96,8 +96,9 @@ def test_parallel_sampling_children_equal_solo_runs(llama_dir, no_cache):
                                                 ignore_eos=True),
                                  use_tqdm=False)[0].outputs[0]
         assert c.token_ids == solo.token_ids
-    bm = llm.llm_engine.core.scheduler.block_manager
-    assert bm.num_copy_on_write == 2  # the shared partial block was copied for all but one child
+    stats = llm.llm_engine.core.get_stats()
+    assert stats["copy_on_write"] == 2  # the shared partial block was copied for all but one child
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["kv_blocks_shared"] == 0
     assert _stats(llm).num_scheduled_tokens == 21 + 3 * 19  # the prompt ran once, then 3 x 19 decodes
     assert_all_blocks_free(llm)
 
@@ -141,3 +142,26 @@ def test_sharing_disabled_baseline_same_outputs_more_blocks(llama_dir):
     assert _outs(shared, prompts, params) == _outs(private, prompts, params)
     assert _stats(private).peak_blocks_used > _stats(shared).peak_blocks_used
     assert_all_blocks_free(private)
+
+
+def test_sharing_disabled_with_swap_preemption(llama_dir):
+    prompts = random_prompts(6, seed=47, min_len=20, max_len=40)
+    params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=20, ignore_eos=True)
+    expected = _outs(LLM(llama_dir, enable_prefix_caching=False), prompts, params)
+    tight = LLM(llama_dir, enable_prefix_caching=False, enable_block_sharing=False, num_gpu_blocks_override=16)
+    assert _outs(tight, prompts, params) == expected
+    assert _stats(tight).num_preemptions["swap"] > 0
+    assert_all_blocks_free(tight)
+
+
+def test_swap_during_chunked_prefill(llama_dir):
+    """A request swapped out mid-prefill comes back with room for its next chunk, not just one token."""
+    prompts = random_prompts(6, seed=48, min_len=30, max_len=60)
+    params = SamplingParams(n=2, best_of=3, temperature=1.0, seed=6, max_tokens=12, ignore_eos=True)
+    expected = _outs(LLM(llama_dir, enable_prefix_caching=False), prompts, params)
+    for sharing in (True, False):
+        tight = LLM(llama_dir, enable_prefix_caching=False, enable_block_sharing=sharing, preemption_mode="swap",
+                    max_num_batched_tokens=20, num_gpu_blocks_override=18)
+        assert _outs(tight, prompts, params) == expected
+        assert _stats(tight).num_preemptions["swap"] > 0
+        assert_all_blocks_free(tight)
