@@ -6,6 +6,11 @@ Batch sizes 1-256, contexts 128-8192. Writes JSON and a PNG to benchmarks/result
 
     python benchmarks/kernels.py [--quick]
 
+The end-to-end GPU comparison (bench-llama-7b-shape, output tok/s vs HF generate(), sequential and static
+batching, bf16) is the throughput benchmark run on the GPU:
+
+    python benchmarks/throughput.py --model bench-llama-7b-shape --device cuda --out gpu/throughput-<device>
+
 Kernel times exclude the wrapper's one device-to-host sync (the batch stats are passed in, as an
 engine that knows max_seq_len on the host would); see ``triton_attention.paged_attention``.
 """
