@@ -122,6 +122,22 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    ray_address: str | None = None
+
+
+def check_tensor_parallel(hf_config, tp: int) -> None:
+    """Fail before any worker starts when the model cannot be split ``tp`` ways."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_parallel_size ({tp})")
+    if kv % tp and tp % kv:
+        raise ValueError(f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp}) must divide one another")
+    inter = (getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "ffn_dim", None)
+             or getattr(hf_config, "n_inner", None) or 4 * hf_config.hidden_size)
+    if inter % tp:
+        raise ValueError(f"the MLP width ({inter}) is not divisible by tensor_parallel_size ({tp})")
 
 
 @dataclass
@@ -159,6 +175,8 @@ class EngineArgs:
     swap_space: float = 4.0
     enable_block_sharing: bool = True
     attention_backend: str | None = None
+    distributed_executor_backend: str | None = None  # "ray" (default when tensor_parallel_size > 1)
+    ray_address: str | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -185,7 +203,10 @@ class EngineArgs:
         backend = self.attention_backend or default_backend(device)
         if backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+        if self.distributed_executor_backend not in (None, "ray", "uni"):
+            raise ValueError(f"distributed_executor_backend must be 'ray' or 'uni', got {self.distributed_executor_backend!r}")
         model_config = ModelConfig.from_dir(model, self.dtype, self.max_model_len, torch.device(device))
+        check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
         if batched is None:
@@ -207,5 +228,6 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode),
-            parallel_config=ParallelConfig(self.tensor_parallel_size),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
+                                           self.ray_address),
             device=device, seed=self.seed, attention_backend=backend)

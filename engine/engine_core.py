@@ -32,7 +32,14 @@ class StepStats:
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_cls=None) -> None:
         if executor_cls is None:
-            from pagedserve.worker.executor import UniProcExecutor as executor_cls
+            pc = config.parallel_config
+            if pc.tensor_parallel_size > 1 or pc.distributed_executor_backend == "ray":
+                from pagedserve.cluster.ray_executor import RayExecutor
+
+                def executor_cls(cfg):
+                    return RayExecutor(cfg, pc.ray_address)
+            else:
+                from pagedserve.worker.executor import UniProcExecutor as executor_cls
         self.config = config
         self.max_model_len = config.scheduler_config.max_model_len
         self.vocab_size = config.model_config.vocab_size

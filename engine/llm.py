@@ -25,6 +25,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Release the workers (Ray actors and their placement group for tensor parallelism)."""
+        self.llm_engine.core.shutdown()
+
     def reset_prefix_cache(self) -> None:
         self.llm_engine.core.reset_prefix_cache()
 

@@ -33,3 +33,15 @@ def model_factory(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def llama_dir(model_factory) -> str:
     return model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for the whole session (started lazily by the first test that needs it)."""
+    import ray
+
+    from pagedserve.cluster.ray_executor import ensure_ray
+
+    ensure_ray()
+    yield ray
+    ray.shutdown()

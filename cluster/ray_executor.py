@@ -1,0 +1,104 @@
+"""Tensor-parallel executor: one Ray actor per TP rank, all in one STRICT_PACK placement group.
+
+Each step the scheduler's ``SchedulerOutput`` is put in the object store once and every rank reads it;
+the ranks meet in all-reduce (gloo on CPU, NCCL on GPU) and rank 0 returns the sampled tokens.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pagedserve.config import EngineConfig
+from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def ensure_ray(address: str | None = None) -> None:
+    """Join ``address`` (or RAY_ADDRESS) if given, else start a local Ray instance."""
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True,
+                 log_to_driver=False)
+
+
+class RayWorker:
+    """A TP rank: builds its Worker (model shard + KV cache shard) inside the actor process."""
+
+    def __init__(self, config: EngineConfig, rank: int, num_threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(num_threads)
+        self.config, self.rank, self.worker = config, rank, None
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def init_worker(self, init_method: str) -> None:
+        from pagedserve.worker.worker import Worker
+
+        self.worker = Worker(self.config, self.rank, init_method, local_rank=0)
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def num_cpu_blocks(self) -> int:
+        return self.worker.num_cpu_blocks()
+
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks, num_cpu_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        out = self.worker.execute_model(sched)
+        return out if self.rank == 0 else None
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig, ray_address: str | None = None) -> None:
+        ensure_ray(ray_address)
+        tp = config.parallel_config.tensor_parallel_size
+        gpu = config.device == "cuda"
+        # On CPU a rank asks for a core, or a share of one where the node has fewer cores than ranks.
+        cpu = 1.0 if gpu else min(1.0, ray.cluster_resources().get("CPU", tp) / tp)
+        bundle = {"GPU": 1, "CPU": cpu} if gpu else {"CPU": cpu}
+        self.pg = placement_group([bundle] * tp, strategy="STRICT_PACK")  # a TP group never spans nodes
+        ray.get(self.pg.ready(), timeout=120)
+        threads = max(1, (os.cpu_count() or 1) // tp)
+        actor_cls = ray.remote(num_cpus=cpu, num_gpus=1 if gpu else 0)(RayWorker)
+        self.workers = [
+            actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=rank)).remote(config, rank, threads)
+            for rank in range(tp)]
+        ip, port = ray.get([self.workers[0].node_ip.remote(), self.workers[0].free_port.remote()])
+        ray.get([w.init_worker.remote(f"tcp://{ip}:{port}") for w in self.workers])
+
+    def _all(self, method: str, *args):
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def determine_num_blocks(self) -> int:
+        return min(self._all("determine_num_blocks"))  # every rank must hold every block
+
+    def num_cpu_blocks(self) -> int:
+        return min(self._all("num_cpu_blocks"))
+
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self._all("init_kv_cache", num_blocks, num_cpu_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        ref = ray.put(sched)  # serialized once, read by every rank
+        return ray.get([w.execute_model.remote(ref) for w in self.workers])[0]
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        remove_placement_group(self.pg)
