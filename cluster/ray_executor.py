@@ -19,6 +19,10 @@ from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+class WorkerFailedError(RuntimeError):
+    """A TP worker died; the whole group is unusable until rebuilt."""
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Join ``address`` (or RAY_ADDRESS) if given, else start a local Ray instance."""
     if not ray.is_initialized():
@@ -95,10 +99,15 @@ class RayExecutor:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         ref = ray.put(sched)  # serialized once, read by every rank
-        return ray.get([w.execute_model.remote(ref) for w in self.workers])[0]
+        futures = [w.execute_model.remote(ref) for w in self.workers]
+        try:
+            return ray.get(futures)[0]
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            # The survivors are stuck in a collective with the dead rank: the group is torn down by the caller.
+            raise WorkerFailedError(f"tensor-parallel worker failed: {type(e).__name__}: {e}") from e
 
     def shutdown(self) -> None:
         for w in self.workers:
-            ray.kill(w)
+            ray.kill(w, no_restart=True)
         self.workers = []
         remove_placement_group(self.pg)

@@ -43,6 +43,7 @@ class EngineCore:
         self.config = config
         self.max_model_len = config.scheduler_config.max_model_len
         self.vocab_size = config.model_config.vocab_size
+        self._executor_cls = executor_cls
         self.executor = executor_cls(config)
         num_blocks = self.executor.determine_num_blocks()
         bs = config.cache_config.block_size
@@ -61,6 +62,7 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self.last_step: StepStats | None = None
+        self.num_worker_restarts = 0
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_seqs: int | None = None) -> None:
         """Raise ValueError for a request that cannot run; nothing is allocated yet."""
@@ -145,11 +147,27 @@ class EngineCore:
             return []
         num_running = len(self.scheduler.running)
         t1 = time.perf_counter()
-        result = self.executor.execute_model(sched)
+        try:
+            result = self.executor.execute_model(sched)
+        except Exception as e:
+            if type(e).__name__ != "WorkerFailedError":
+                raise
+            logger.error("%s; failing in-flight requests and rebuilding the worker group", e)
+            return self._recover()
         t2 = time.perf_counter()
         updates = self.scheduler.update_from_output(sched, result, self.max_model_len)
         self.last_step = StepStats(num_running, sched.total_num_scheduled_tokens, t1 - t0, t2 - t1,
                                    time.perf_counter() - t2, result.timings)
+        return updates
+
+    def _recover(self) -> list[SeqUpdate]:
+        """Fail every in-flight request, then replace the whole TP group with fresh workers."""
+        updates = self.scheduler.fail_all()
+        self.executor.shutdown()
+        self.executor = self._executor_cls(self.config)
+        cc = self.config.cache_config
+        self.executor.init_kv_cache(cc.num_blocks, cc.num_cpu_blocks)
+        self.num_worker_restarts += 1
         return updates
 
     def shutdown(self) -> None:

@@ -79,6 +79,15 @@ class Scheduler:
         self._finish_request(req, RequestStatus.FINISHED_ABORTED)
         return req
 
+    def fail_all(self) -> list[SeqUpdate]:
+        """The workers (and the KV they held) are gone: end every request with an error."""
+        failed = list(self.requests.values())
+        for req in failed:
+            self._finish_request(req, RequestStatus.FINISHED_ERROR)
+        self.block_manager.reset_prefix_cache()
+        self._finished_seq_ids.clear()  # the new workers hold no sequence state
+        return [SeqUpdate(req) for req in failed]
+
     def stop_sequence(self, req: Request, index: int) -> None:
         """Finish one completion early (a stop string matched in the engine's detokenizer)."""
         seq = next((s for s in req.seqs if s.index == index), None)

@@ -62,3 +62,37 @@ def test_rank_loads_only_its_shard(model_factory, monkeypatch):
     assert down.shape == (64, 64) and torch.equal(down, full["model.layers.0.mlp.down_proj.weight"][:, 64:])
     emb = model.model.embed_tokens.weight  # vocab 331 padded to 2 x 166: rows 166..330, then one zero row
     assert torch.equal(emb[:165], full["model.embed_tokens.weight"][166:]) and not emb[165].any()
+
+
+def test_worker_death_fails_in_flight_and_recovers(ray_cluster, model_factory):
+    from pagedserve import EngineArgs, LLMEngine
+
+    model_dir = model_factory("llama-gqa8")
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, tensor_parallel_size=2))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        prompts = random_prompts(4, seed=90)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, params)
+        for _ in range(3):
+            engine.step()
+        ray_cluster.kill(engine.core.executor.workers[1], no_restart=True)
+        finished = {}
+        for _ in range(10):  # never a hang: the failure surfaces on the next step
+            for out in engine.step():
+                finished[out.request_id] = out
+            if not engine.has_unfinished_requests():
+                break
+        assert set(finished) == {"0", "1", "2", "3"}
+        assert all(o.outputs[0].finish_reason == "error" for o in finished.values())
+        assert engine.core.num_worker_restarts == 1
+        assert_all_blocks_free(engine)
+        # The rebuilt group serves new requests, with the right answer.
+        engine.add_request("again", {"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        assert outs[0].outputs[0].token_ids == hf_greedy(model_dir, prompts[0], 8, hf)[0]
+    finally:
+        engine.core.shutdown()
