@@ -4,7 +4,8 @@
 
 1. Broadcast round trip of one step's SchedulerOutput (128 decoding sequences) to 2 ranks: plain actor
    calls (one object-store put, then a call per rank) vs a Ray Compiled Graph (shared-memory channels).
-2. TP=1 (in-process) vs TP=2 (Ray actors, gloo) output tok/s on bench-llama-58m, alpaca-like requests.
+2. TP=1 (in-process) vs TP=2 (Ray actors, gloo; broadcast by plain calls and by compiled graph) output
+   tok/s on bench-llama-58m, alpaca-like requests.
 3. The TP=2 step split into schedule / broadcast / prepare / forward / sample.
 """
 from __future__ import annotations
@@ -19,8 +20,8 @@ from common import make_workload, reference_model, save_results  # noqa: E402
 
 import ray  # noqa: E402
 
-from pagedserve import LLM, EngineArgs, LLMEngine, SamplingParams  # noqa: E402
-from pagedserve.cluster.ray_executor import ensure_ray  # noqa: E402
+from pagedserve import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
+from pagedserve.cluster.ray_executor import RayExecutor, ensure_ray  # noqa: E402
 from pagedserve.scheduler.output import CachedSeqData, SchedulerOutput  # noqa: E402
 
 
@@ -72,16 +73,20 @@ def broadcast_round_trip(iters: int = 300) -> dict:
 
 def throughput(model_dir: str, n: int) -> dict:
     wl = make_workload("alpaca")
-    prompts = [{"prompt_token_ids": p} for p in wl.prompts[:n]]
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in wl.output_lens[:n]]
     tokens = sum(wl.output_lens[:n])
     result = {}
-    for tp in (1, 2):
-        llm = LLM(model_dir, skip_tokenizer_init=True, tensor_parallel_size=tp, kv_cache_memory=1 << 30)
+    for name, tp, compiled in (("tp1", 1, None), ("tp2_plain_calls", 2, False), ("tp2_compiled_graph", 2, True)):
+        args = EngineArgs(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=tp, kv_cache_memory=1 << 30)
+        executor = None if tp == 1 else (lambda cfg, c=compiled: RayExecutor(cfg, use_compiled_graph=c))
+        engine = LLMEngine.from_engine_args(args, executor)
+        for i, (p, o) in enumerate(zip(wl.prompts[:n], wl.output_lens[:n])):
+            engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=o,
+                                                                                  ignore_eos=True))
         t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        result[f"tp{tp}_out_tok_s"] = tokens / (time.perf_counter() - t)
-        llm.shutdown()
+        while engine.has_unfinished_requests():
+            engine.step()
+        result[f"{name}_out_tok_s"] = tokens / (time.perf_counter() - t)
+        engine.core.shutdown()
     return result
 
 
@@ -116,8 +121,9 @@ def main() -> None:
     print(f"broadcast round trip to 2 ranks: plain actor calls {rt['plain_ms']:.2f} ms, "
           f"compiled graph {rt['compiled_graph_ms']:.2f} ms")
     tput = throughput(model_dir, args.requests)
-    print(f"bench-llama-58m, {args.requests} alpaca-like requests: TP=1 {tput['tp1_out_tok_s']:.1f} out tok/s, "
-          f"TP=2 {tput['tp2_out_tok_s']:.1f} out tok/s (2 cores: TP cannot add compute here)")
+    print(f"bench-llama-58m, {args.requests} alpaca-like requests, out tok/s: TP=1 {tput['tp1_out_tok_s']:.1f}, "
+          f"TP=2 plain calls {tput['tp2_plain_calls_out_tok_s']:.1f}, TP=2 compiled graph "
+          f"{tput['tp2_compiled_graph_out_tok_s']:.1f} (2 cores: TP cannot add compute here)")
     split = step_split(model_dir)
     print("TP=2 step at {running} running: ".format(**split) + ", ".join(
         f"{k} {v * 1e3:.2f} ms" for k, v in split.items() if k != "running"))
