@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space per worker")
     g.add_argument("--attention-backend", choices=["torch", "triton", "cpu"], default=None)
+    g.add_argument("--distributed-executor-backend", choices=["ray", "uni"], default=None,
+                   help="ray: TP worker actors (the default when --tensor-parallel-size > 1)")
+    g.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS, else start one)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

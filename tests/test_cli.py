@@ -25,3 +25,11 @@ def test_generate_rejects_bad_input(llama_dir, tmp_path):
     assert res.returncode == 2 and "temperature" in res.stderr
     res = _cli("generate", "--model", str(tmp_path / "nope"), "hi")
     assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+def test_generate_with_tensor_parallelism(model_factory):
+    model_dir = model_factory("llama-gqa8")
+    single = _cli("generate", "--model", model_dir, "--max-tokens", "8", "--ignore-eos", "hello")
+    tp = _cli("generate", "--model", model_dir, "--max-tokens", "8", "--ignore-eos", "-tp", "2", "hello")
+    assert single.returncode == tp.returncode == 0, tp.stderr
+    assert tp.stdout == single.stdout
