@@ -203,9 +203,6 @@ class BlockManager:
         seq.block_hashes = hashes
         return blocks
 
-    def num_evictable(self, blocks: list[int]) -> int:
-        return sum(1 for b in blocks if self.pool.ref_cnt[b] == 0)
-
     def take_prefix(self, seq: Sequence, blocks: list[int]) -> None:
         self.pool.incref(blocks)
         seq.block_table = list(blocks)

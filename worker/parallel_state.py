@@ -15,13 +15,6 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, ba
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
 
 
-def destroy_tensor_parallel() -> None:
-    global _TP_RANK, _TP_SIZE
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _TP_RANK, _TP_SIZE = 0, 1
-
-
 def get_tp_rank() -> int:
     return _TP_RANK
 
