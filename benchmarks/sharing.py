@@ -156,7 +156,7 @@ def plot(results: dict) -> None:
                     marker="o", label=f"{wl} KV saved")
         ax.set_xlabel("n" if kind == "parallel" else "beam width")
         ax.set_ylabel("% KV blocks saved by sharing")
-        ax.set_title(f"{kind} sampling (seeds: {SEEDS[kind]})")
+        ax.set_title(f"{'parallel sampling' if kind == 'parallel' else 'beam search'} (seeds: {SEEDS[kind]})")
         ax.legend()
     fig.tight_layout()
     fig.savefig(f"{RESULTS}/sharing.png", dpi=110)
