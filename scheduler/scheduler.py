@@ -109,12 +109,15 @@ class Scheduler:
         else:
             self.block_manager.free(seq)
 
-    def finish_seq(self, req: Request, seq: Sequence, status: RequestStatus) -> None:
-        """End one sequence; the request ends with its last live sequence."""
+    def _release(self, seq: Sequence, status: RequestStatus) -> None:
         self._free_blocks(seq)
         seq.status = status
         self._finished_seq_ids.add(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
+
+    def finish_seq(self, req: Request, seq: Sequence, status: RequestStatus) -> None:
+        """End one sequence; the request ends with its last live sequence."""
+        self._release(seq, status)
         if not req.live_seqs and not req.finished:
             self._finish_request(req, status)
 
@@ -125,10 +128,7 @@ class Scheduler:
 
     def _finish_request(self, req: Request, status: RequestStatus) -> None:
         for seq in req.live_seqs:
-            self._free_blocks(seq)
-            seq.status = status
-            self._finished_seq_ids.add(seq.seq_id)
-            self.seqs.pop(seq.seq_id, None)
+            self._release(seq, status)
         for queue in (self.waiting, self.running, self.swapped):
             if req in queue:
                 queue.remove(req)
@@ -227,9 +227,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            seqs = req.live_seqs
-            # Prefill chunks of one sequence can be long; decodes of a request's sequences go together.
-            n = min(max(s.num_tokens - s.num_computed_tokens for s in seqs), budget // len(seqs))
+            n = self._admit_tokens(req, budget)
             if n <= 0:
                 break
             if not self._allocate(req, n, out):
@@ -278,6 +276,7 @@ class Scheduler:
 
     @staticmethod
     def _admit_tokens(req: Request, budget: int) -> int:
+        """Tokens per sequence this step: a prefill chunk can be long; a request's sequences go together."""
         seqs = req.live_seqs
         return min(max(s.num_tokens - s.num_computed_tokens for s in seqs), budget // len(seqs))
 
