@@ -1,6 +1,7 @@
 """The engine core: scheduler + executor, in token ids. The Ray scheduler actor hosts one of these."""
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import random
@@ -8,9 +9,10 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.core_output import EngineCoreOutput, make_core_output
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler.request import Request, Sequence
-from pagedserve.scheduler.scheduler import Scheduler, SeqUpdate
+from pagedserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,22 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.num_worker_restarts = 0
 
+    def prepare_params(self, params: SamplingParams | None) -> SamplingParams:
+        """A checked copy with the model's EOS ids as stop tokens (unless ignore_eos)."""
+        params = copy.copy(params) if params is not None else SamplingParams()
+        params.verify()
+        params.all_stop_token_ids = set() if params.ignore_eos else set(self.config.model_config.eos_token_ids)
+        return params
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams | None):
+        """Validate a request and return the params it will run with; raise ValueError otherwise."""
+        if isinstance(params, BeamSearchParams):
+            self.validate(prompt_token_ids, self.beam_sampling_params(params), params.beam_width)
+            return params
+        params = self.prepare_params(params)
+        self.validate(prompt_token_ids, params)
+        return params
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_seqs: int | None = None) -> None:
         """Raise ValueError for a request that cannot run; nothing is allocated yet."""
         n = len(prompt_token_ids)
@@ -98,9 +116,9 @@ class EngineCore:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         beam = params if isinstance(params, BeamSearchParams) else None
+        params = self.check_request(prompt_token_ids, params)
         if beam is not None:
             params = self.beam_sampling_params(beam)
-        self.validate(prompt_token_ids, params, beam.beam_width if beam else None)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(seq_id=self.scheduler.next_seq_id(), index=0, token_ids=list(prompt_token_ids),
                        prompt_len=len(prompt_token_ids), seed=base_seed & _SEED_MASK)
@@ -137,10 +155,16 @@ class EngineCore:
     def abort_request(self, request_id: str) -> Request | None:
         return self.scheduler.abort_request(request_id)
 
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """End one completion early: a stop string matched where the text is made."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            self.scheduler.stop_sequence(req, index)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[SeqUpdate]:
+    def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and not (sched.finished_seq_ids or sched.blocks_to_swap_out):
@@ -156,13 +180,14 @@ class EngineCore:
             return self._recover()
         t2 = time.perf_counter()
         updates = self.scheduler.update_from_output(sched, result, self.max_model_len)
+        outputs = [make_core_output(u) for u in updates]
         self.last_step = StepStats(num_running, sched.total_num_scheduled_tokens, t1 - t0, t2 - t1,
                                    time.perf_counter() - t2, result.timings)
-        return updates
+        return outputs
 
-    def _recover(self) -> list[SeqUpdate]:
+    def _recover(self) -> list[EngineCoreOutput]:
         """Fail every in-flight request, then replace the whole TP group with fresh workers."""
-        updates = self.scheduler.fail_all()
+        updates = [make_core_output(u) for u in self.scheduler.fail_all()]
         self.executor.shutdown()
         self.executor = self._executor_cls(self.config)
         cc = self.config.cache_config

@@ -1,0 +1,163 @@
+"""Turns ``EngineCoreOutput`` (token ids) into ``RequestOutput`` (text): incremental detokenization, stop strings,
+logprob dicts and best_of selection. The offline engine and the gRPC gateway both use it."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagedserve.engine.core_output import EngineCoreOutput
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclass
+class _Completion:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detok: IncrementalDetokenizer | None = None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    stream: bool
+    completions: list[_Completion]
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    beams: list | None = None
+
+    @property
+    def is_beam(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+
+class OutputProcessor:
+    """``stop_fn(request_id, index)`` ends a completion in the engine core once a stop string matched here;
+    tokens the core produced for it in the meantime are dropped, so the result does not depend on the delay."""
+
+    def __init__(self, tokenizer, stop_fn: Callable[[str, int], None]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_fn = stop_fn
+        self.states: dict[str, _RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams | BeamSearchParams, stream: bool = False) -> None:
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if isinstance(params, BeamSearchParams):
+            self.states[request_id] = _RequestState(request_id, prompt, prompt_token_ids, params, False, [])
+            return
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
+        incremental = (stream or bool(params.stop)) and self.tokenizer is not None
+        completions = [_Completion(i, logprobs=[] if params.logprobs is not None else None,
+                                   detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+                                   if incremental else None)
+                       for i in range(params.best_of)]
+        self.states[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, params, stream, completions,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+
+    def abort(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput | BeamSearchOutput]:
+        results = []
+        for out in outputs:
+            st = self.states.get(out.request_id)
+            if st is None:  # aborted, or ended here by a stop string
+                continue
+            self._apply(st, out)
+            finished = out.finished or (not st.is_beam and all(c.finish_reason for c in st.completions))
+            if finished or st.stream:
+                results.append(self._make_output(st, finished))
+            if finished:
+                del self.states[out.request_id]
+        return results
+
+    def _decoded(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def _logprob_dict(self, token: int, lp: float, rank: int, top_ids: list[int], top_lps: list[float]):
+        d = {t: Logprob(v, r + 1, self._decoded(t)) for r, (t, v) in enumerate(zip(top_ids, top_lps))}
+        d[token] = Logprob(lp, rank, self._decoded(token))
+        return d
+
+    def _apply(self, st: _RequestState, out: EngineCoreOutput) -> None:
+        st.num_cached_tokens = out.num_cached_tokens
+        if st.is_beam:
+            st.beams = out.beams
+            return
+        if out.prompt_logprobs and st.prompt_logprobs is not None:
+            st.prompt_logprobs += [self._logprob_dict(*entry) for entry in out.prompt_logprobs]
+        if out.new_token_ids and st.first_token_time is None:
+            st.first_token_time = time.monotonic()
+        for idx, toks in out.new_token_ids.items():
+            c = st.completions[idx]
+            if c.finish_reason is not None:
+                continue
+            c.token_ids.extend(toks)
+            c.cumulative_logprob = out.cumulative_logprobs.get(idx, c.cumulative_logprob)
+            if c.logprobs is not None:
+                for tok, (lp, top_ids, top_lps, rank) in zip(toks, out.new_logprobs.get(idx, [])):
+                    c.logprobs.append(self._logprob_dict(tok, lp, rank, top_ids, top_lps))
+            if c.detok is not None and c.detok.add_tokens(toks):
+                c.finish_reason, c.stop_reason = "stop", c.detok.stop_reason
+                self.stop_fn(st.request_id, idx)
+        for idx, (reason, stop_reason) in out.finish_reasons.items():
+            c = st.completions[idx]
+            if c.finish_reason is None:
+                c.finish_reason, c.stop_reason = reason, stop_reason
+                c.cumulative_logprob = out.cumulative_logprobs.get(idx, c.cumulative_logprob)
+
+    def _beam_output(self, st: _RequestState) -> BeamSearchOutput:
+        seqs = []
+        for token_ids, cum, score, reason in st.beams or []:
+            text = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(token_ids[len(st.prompt_token_ids):], skip_special_tokens=True)
+            seqs.append(BeamSearchSequence(token_ids, text, cum, score, reason))
+        return BeamSearchOutput(seqs, st.request_id)
+
+    def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput | BeamSearchOutput:
+        if st.is_beam:
+            return self._beam_output(st)
+        params = st.params
+        completions = st.completions
+        n, best_of = params.n, params.best_of
+        if best_of > n:
+            # The n most likely of the best_of completions, renumbered; until then, the first n.
+            if finished:
+                completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)
+            completions = completions[:n]
+        outs = []
+        for c in completions:
+            if c.detok is not None:
+                if c.finish_reason is not None and c.detok.stop_reason is None:
+                    c.detok.flush()
+                c.detok.take_delta(c.finish_reason is not None)
+                text = c.detok.text[: c.detok.num_sent_chars]
+            elif self.tokenizer is None:
+                text = ""
+            else:
+                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=params.skip_special_tokens,
+                                             spaces_between_special_tokens=params.spaces_between_special_tokens)
+            cum = c.cumulative_logprob if params.logprobs is not None or best_of > n else None
+            outs.append(CompletionOutput(len(outs) if best_of > n else c.index, text, list(c.token_ids), cum,
+                                         c.logprobs, c.finish_reason, c.stop_reason))
+        now = time.monotonic()
+        metrics = {"arrival_time": st.arrival_time, "finished_time": now if finished else 0.0,
+                   "time_to_first_token": (st.first_token_time or now) - st.arrival_time}
+        return RequestOutput(st.request_id, st.prompt, list(st.prompt_token_ids), st.prompt_logprobs, outs, finished,
+                             st.num_cached_tokens, metrics)
