@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -83,6 +84,64 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0")
+    g.add_argument("--port", type=int, default=50051)
+    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require 'authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    g.add_argument("--ssl-certfile", default=None)
+    g.add_argument("--ssl-keyfile", default=None)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="model replicas (each its own TP group)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="per replica; beyond it requests get RESOURCE_EXHAUSTED")
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    g.add_argument("--served-model-name", default=None)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from pagedserve.cluster.serve import ServeOptions, serve
+
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")  # SIGTERM means drain, not a crash dump
+
+    opts = ServeOptions(**{k: getattr(ns, k) for k in ServeOptions.__dataclass_fields__})
+    asyncio.run(serve(engine_args_from(ns), opts))
+    return 0
+
+
+def cmd_client(ns: argparse.Namespace) -> int:
+    import grpc
+
+    from pagedserve.cluster.client import Client
+
+    root = open(ns.ca_cert, "rb").read() if ns.ca_cert else None
+    sampling = {k: v for k, v in vars(sampling_params_from(ns)).items()
+                if k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                         "presence_penalty", "frequency_penalty", "seed", "stop", "ignore_eos")}
+    sampling["n"] = ns.n
+    if ns.n > 1 and ns.temperature == 0.0:
+        sampling["temperature"] = 1.0
+    with Client(ns.server, api_key=ns.api_key, tls=ns.tls, root_certificates=root, timeout=ns.timeout) as client:
+        try:
+            if ns.stream and ns.n == 1:
+                print(ns.prompt, end="", flush=True)
+                for d in client.generate_stream(ns.prompt, **sampling):
+                    print(d.text, end="", flush=True)
+                print()
+            else:
+                result = client.generate(ns.prompt, stream=False, **sampling)
+                for c in result.completions:
+                    if len(result.completions) > 1:
+                        print(f"--- completion {c.index} ({c.finish_reason})")
+                    print(ns.prompt + c.text)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="Paged-KV LLM serving")
     parser.add_argument("--log-level", default="INFO")
@@ -92,6 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the model over gRPC on a Ray cluster")
+    add_engine_args(srv)
+    add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    cli = sub.add_parser("client", help="send a prompt to a running server and print the completion")
+    cli.add_argument("prompt")
+    cli.add_argument("--server", default="localhost:50051")
+    cli.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    cli.add_argument("-n", type=int, default=1, help="completions to sample")
+    cli.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
+    cli.add_argument("--tls", action="store_true")
+    cli.add_argument("--ca-cert", default=None, help="PEM root certificate(s) for TLS")
+    cli.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_sampling_args(cli)
+    cli.set_defaults(func=cmd_client)
     return parser
 
 

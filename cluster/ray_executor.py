@@ -30,6 +30,26 @@ def ensure_ray(address: str | None = None) -> None:
                  log_to_driver=False)
 
 
+def rank_cpus(num_ranks: int, gpu: bool, reserved: float = 0.0) -> float:
+    """CPUs a rank asks for: a core, or a share of one where the cluster has fewer cores than ranks
+    (``reserved``: CPUs set aside for other actors)."""
+    if gpu:
+        return 1.0
+    share = (ray.cluster_resources().get("CPU", num_ranks) - reserved) / num_ranks
+    return max(0.01, min(1.0, int(share * 100) / 100))
+
+
+def rank_bundle(cpu: float, gpu: bool) -> dict[str, float]:
+    return {"GPU": 1, "CPU": cpu} if gpu else {"CPU": cpu}
+
+
+def make_placement_group(bundles: list[dict[str, float]]):
+    """One replica's resources on one node (a TP group never spans nodes)."""
+    pg = placement_group(bundles, strategy="STRICT_PACK")
+    ray.get(pg.ready(), timeout=120)
+    return pg
+
+
 class RayWorker:
     """A TP rank: builds its Worker (model shard + KV cache shard) inside the actor process."""
 
@@ -73,22 +93,25 @@ class RayExecutor:
     (benchmarks/tp.py), so by default it is used on GPUs only, where the host cores are idle."""
 
     def __init__(self, config: EngineConfig, ray_address: str | None = None,
-                 use_compiled_graph: bool | None = None) -> None:
+                 use_compiled_graph: bool | None = None, placement_group=None, first_bundle: int = 0) -> None:
+        """With ``placement_group``, rank r runs in its bundle ``first_bundle + r`` (the scheduler actor made the
+        group and sits in bundle 0); otherwise the executor makes and owns a group of its own."""
         ensure_ray(ray_address)
         self.use_compiled_graph = config.device == "cuda" if use_compiled_graph is None else use_compiled_graph
         self.dag = None
         tp = config.parallel_config.tensor_parallel_size
         gpu = config.device == "cuda"
-        # On CPU a rank asks for a core, or a share of one where the node has fewer cores than ranks.
-        cpu = 1.0 if gpu else min(1.0, ray.cluster_resources().get("CPU", tp) / tp)
-        bundle = {"GPU": 1, "CPU": cpu} if gpu else {"CPU": cpu}
-        self.pg = placement_group([bundle] * tp, strategy="STRICT_PACK")  # a TP group never spans nodes
-        ray.get(self.pg.ready(), timeout=120)
+        self.owns_pg = placement_group is None
+        if self.owns_pg:
+            placement_group = make_placement_group([rank_bundle(rank_cpus(tp, gpu), gpu)] * tp)
+        self.pg = placement_group
+        cpu = placement_group.bundle_specs[first_bundle].get("CPU", 0.0)
         threads = max(1, (os.cpu_count() or 1) // tp)
         actor_cls = ray.remote(num_cpus=cpu, num_gpus=1 if gpu else 0)(RayWorker)
         self.workers = [
             actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=rank)).remote(config, rank, threads)
+                placement_group=self.pg, placement_group_bundle_index=first_bundle + rank),
+            ).remote(config, rank, threads)
             for rank in range(tp)]
         ip, port = ray.get([self.workers[0].node_ip.remote(), self.workers[0].free_port.remote()])
         ray.get([w.init_worker.remote(f"tcp://{ip}:{port}") for w in self.workers])
@@ -135,4 +158,5 @@ class RayExecutor:
                 logger.debug("compiled graph teardown: %s", e)
             self.dag = None
         self.workers = []
-        remove_placement_group(self.pg)
+        if self.owns_pg:
+            remove_placement_group(self.pg)

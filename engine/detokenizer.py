@@ -16,6 +16,10 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.params = params
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        if self._decode(self.ids).endswith("\ufffd"):
+            # The prompt ends inside a UTF-8 character: its bytes would merge with the first output token's
+            # and shift the text; decode the output on its own, as a one-shot decode would.
+            self.ids = []
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""

@@ -72,6 +72,15 @@ class OutputProcessor:
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
+    def abort_output(self, request_id: str) -> RequestOutput | BeamSearchOutput | None:
+        """Drop a request, returning its final output with the unfinished completions marked "abort"."""
+        st = self.states.pop(request_id, None)
+        if st is None:
+            return None
+        for c in st.completions:
+            c.finish_reason = c.finish_reason or "abort"
+        return self._make_output(st, True)
+
     def process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput | BeamSearchOutput]:
         results = []
         for out in outputs:

@@ -284,8 +284,9 @@ class Scheduler:
         """Move the head of the waiting queue to running if its first chunk fits; reuse cached blocks."""
         bm = self.block_manager
         seqs = req.live_seqs
-        for s in seqs:
-            bm.take_prefix(s, bm.match_prefix(s, req.cache_salt))
+        if req.sampling_params.prompt_logprobs is None:  # cached tokens would get no prompt logprobs
+            for s in seqs:
+                bm.take_prefix(s, bm.match_prefix(s, req.cache_salt))
         n = self._admit_tokens(req, budget)
         remaining = max(s.num_tokens - s.num_computed_tokens for s in seqs)
         fits = n > 0 and (self.config.enable_chunked_prefill or n == remaining)

@@ -40,8 +40,7 @@ def ray_cluster():
     """One local Ray instance for the whole session (started lazily by the first test that needs it)."""
     import ray
 
-    from pagedserve.cluster.ray_executor import ensure_ray
-
-    ensure_ray()
+    # Logical CPUs: the gateway tests' replicas and the TP tests' ranks must not wait on each other.
+    ray.init(num_cpus=8, log_to_driver=False)
     yield ray
     ray.shutdown()

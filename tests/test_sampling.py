@@ -209,3 +209,11 @@ def test_prompt_logprobs_with_chunked_prefill(llama_dir, llm):
 def test_vocab_outside_tokens_never_sampled(llm):
     outs = _gen(llm, random_prompts(4, seed=27), SamplingParams(temperature=1.5, max_tokens=20, seed=5))
     assert all(0 <= t < VOCAB for o in outs for t in o.outputs[0].token_ids)
+
+
+def test_prompt_logprobs_bypass_a_warm_prefix_cache(llama_dir):
+    llm = LLM(llama_dir, seed=0, enable_prefix_caching=True)
+    prompt = {"prompt_token_ids": random_prompts(1, seed=5, min_len=40, max_len=40)[0]}
+    llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)  # fills the cache
+    out = llm.generate(prompt, SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == 40 and all(e is not None for e in out.prompt_logprobs[1:])

@@ -1,0 +1,222 @@
+"""Python clients for a pagedserve gateway: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+    with Client("localhost:50051") as c:
+        for delta in c.generate_stream("def f(", max_tokens=32):
+            print(delta.text, end="")
+        print(c.generate("import os", max_tokens=16, temperature=0.0).text)
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.cluster.protocol import FINISH_NAMES, beam_search_to_proto, sampling_params_to_proto
+from pagedserve.proto.v1 import generation_pb2 as pb
+from pagedserve.proto.v1 import generation_pb2_grpc as pb_grpc
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                   ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                   ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000)]
+
+
+@dataclass
+class Delta:
+    """New output of one completion, as it streams."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list = field(default_factory=list)  # pb.TokenLogprobs per new token
+
+
+@dataclass
+class Completion:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None
+    logprobs: list = field(default_factory=list)
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    completions: list[Completion]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prompt_logprobs: list = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.completions[0].text
+
+
+def build_request(prompt: str | list[int], request_id: str | None = None, stream: bool = True,
+                  beam_search: dict | None = None, cache_salt: str | None = None, **sampling) -> pb.GenerateRequest:
+    """``sampling`` takes SamplingParams' names (max_tokens, temperature, n, stop, seed, logprobs, ...);
+    ``beam_search`` a dict of BeamSearchParams' (beam_width, max_tokens, length_penalty, early_stopping)."""
+    req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, cache_salt=cache_salt or "",
+                             stream_mode=pb.STREAM_MODE_UNSPECIFIED if stream else pb.STREAM_MODE_FINAL)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    if beam_search is not None:
+        if sampling:
+            raise TypeError("beam_search takes no sampling parameters")
+        req.beam_search.CopyFrom(beam_search_to_proto(**beam_search))
+    elif sampling:
+        req.sampling_params.CopyFrom(sampling_params_to_proto(**sampling))
+    return req
+
+
+def accumulate(result: GenerateResult, resp: pb.GenerateResponse) -> list[Delta]:
+    """Fold one response into ``result``; return its deltas."""
+    deltas = []
+    for d in resp.completions:
+        while len(result.completions) <= d.index:
+            result.completions.append(Completion(len(result.completions)))
+        c = result.completions[d.index]
+        c.text += d.text
+        c.token_ids += list(d.token_ids)
+        c.logprobs += list(d.logprobs)
+        c.finish_reason = FINISH_NAMES[d.finish_reason]
+        kind = d.WhichOneof("stop_reason")
+        if kind is not None:
+            c.stop_reason = getattr(d, kind)
+        if d.HasField("cumulative_logprob"):
+            c.cumulative_logprob = d.cumulative_logprob
+        if d.HasField("beam_score"):
+            c.beam_score = d.beam_score
+        deltas.append(Delta(resp.request_id, d.index, d.text, list(d.token_ids), c.finish_reason, list(d.logprobs)))
+    result.prompt_logprobs += list(resp.prompt_logprobs)
+    if resp.HasField("usage"):
+        u = resp.usage
+        result.prompt_tokens, result.completion_tokens = u.prompt_tokens, u.completion_tokens
+        result.cached_prompt_tokens = u.cached_prompt_tokens
+    return deltas
+
+
+def _credentials(api_key: str | None, tls: bool, root_certificates: bytes | None):
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+    creds = grpc.ssl_channel_credentials(root_certificates) if tls or root_certificates else None
+    return metadata, creds
+
+
+class Client:
+    def __init__(self, target: str = "localhost:50051", api_key: str | None = None, tls: bool = False,
+                 root_certificates: bytes | None = None, timeout: float | None = None) -> None:
+        self.metadata, creds = _credentials(api_key, tls, root_certificates)
+        self.channel = (grpc.secure_channel(target, creds, CHANNEL_OPTIONS) if creds
+                        else grpc.insecure_channel(target, CHANNEL_OPTIONS))
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
+        self.timeout = timeout
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def stream(self, prompt: str | list[int], **kwargs) -> Iterator[pb.GenerateResponse]:
+        """The raw responses of a Generate call (kwargs as in ``build_request``)."""
+        return self.stub.Generate(build_request(prompt, **kwargs), metadata=self.metadata, timeout=self.timeout)
+
+    def generate_stream(self, prompt: str | list[int], **kwargs) -> Iterator[Delta]:
+        result = GenerateResult("", [])
+        for resp in self.stream(prompt, **kwargs):
+            yield from accumulate(result, resp)
+
+    def generate(self, prompt: str | list[int], **kwargs) -> GenerateResult:
+        result = GenerateResult("", [])
+        for resp in self.stream(prompt, **kwargs):
+            result.request_id = resp.request_id
+            accumulate(result, resp)
+        return result
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self.metadata,
+                                       timeout=self.timeout).token_ids)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids), metadata=self.metadata,
+                                    timeout=self.timeout).text
+
+    def model_info(self) -> pb.GetModelInfoResponse:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata, timeout=self.timeout)
+
+    def abort(self, request_id: str) -> bool:
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata,
+                               timeout=self.timeout).found
+
+    def health(self, service: str = "") -> str:
+        """SERVING / NOT_SERVING / ... of the server (``service`` "" = the whole server)."""
+        resp = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                               timeout=self.timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+class AsyncClient:
+    def __init__(self, target: str = "localhost:50051", api_key: str | None = None, tls: bool = False,
+                 root_certificates: bytes | None = None, timeout: float | None = None) -> None:
+        self.metadata, creds = _credentials(api_key, tls, root_certificates)
+        self.channel = (grpc.aio.secure_channel(target, creds, CHANNEL_OPTIONS) if creds
+                        else grpc.aio.insecure_channel(target, CHANNEL_OPTIONS))
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
+        self.timeout = timeout
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def stream(self, prompt: str | list[int], timeout: float | None = None, **kwargs):
+        return self.stub.Generate(build_request(prompt, **kwargs), metadata=self.metadata,
+                                  timeout=timeout or self.timeout)
+
+    async def generate_stream(self, prompt: str | list[int], **kwargs) -> AsyncIterator[Delta]:
+        result = GenerateResult("", [])
+        async for resp in self.stream(prompt, **kwargs):
+            for d in accumulate(result, resp):
+                yield d
+
+    async def generate(self, prompt: str | list[int], **kwargs) -> GenerateResult:
+        result = GenerateResult("", [])
+        async for resp in self.stream(prompt, **kwargs):
+            result.request_id = resp.request_id
+            accumulate(result, resp)
+        return result
+
+    async def tokenize(self, text: str) -> list[int]:
+        resp = await self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self.metadata, timeout=self.timeout)
+        return list(resp.token_ids)
+
+    async def model_info(self) -> pb.GetModelInfoResponse:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata, timeout=self.timeout)
+
+    async def abort(self, request_id: str) -> bool:
+        resp = await self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata,
+                                     timeout=self.timeout)
+        return resp.found
+
+    async def health(self, service: str = "") -> str:
+        resp = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                     timeout=self.timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

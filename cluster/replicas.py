@@ -1,0 +1,80 @@
+"""Start the model replicas of a serving cluster: per replica one placement group (STRICT_PACK, so a replica never
+spans nodes) holding its scheduler actor and, with tensor parallelism, one bundle per TP rank."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pagedserve.cluster.ray_executor import ensure_ray, make_placement_group, rank_bundle, rank_cpus
+from pagedserve.cluster.scheduler_actor import SchedulerActor
+from pagedserve.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3
+SCHEDULER_CPUS = 0.05  # the scheduler actor of a TP group; its ranks hold the real CPUs
+
+
+@dataclass
+class Replica:
+    index: int
+    actor: ray.actor.ActorHandle
+    placement_group: object
+
+    def node_ids(self) -> list[str]:
+        """The node of each bundle: [scheduler actor (= rank 0 without TP), rank 0, ...]."""
+        return list(ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"].values())
+
+
+def launch_replicas(args: EngineArgs, data_parallel_size: int = 1,
+                    max_waiting_requests: int | None = None) -> list[Replica]:
+    """Start ``data_parallel_size`` replicas and warm them up; raises if they cannot be placed or loaded."""
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+    config = args.create_engine_config()  # validates the model dir and the TP split before any actor starts
+    ensure_ray(args.ray_address)
+    tp = config.parallel_config.tensor_parallel_size
+    gpu = config.device == "cuda"
+    in_actor = tp == 1 and config.parallel_config.distributed_executor_backend != "ray"
+    replicas = []
+    try:
+        for i in range(data_parallel_size):
+            if in_actor:  # the model runs inside the scheduler actor
+                cpu = rank_cpus(data_parallel_size, gpu)
+                bundles = [rank_bundle(cpu, gpu)]
+                opts = {"num_cpus": cpu, "num_gpus": 1 if gpu else 0}
+            else:
+                cpu = rank_cpus(tp * data_parallel_size, gpu, SCHEDULER_CPUS * data_parallel_size)
+                bundles = [{"CPU": SCHEDULER_CPUS}] + [rank_bundle(cpu, gpu)] * tp
+                opts = {"num_cpus": SCHEDULER_CPUS}
+            pg = make_placement_group(bundles)
+            threads = max(1, (os.cpu_count() or 1) // data_parallel_size) if in_actor else 1
+            actor = ray.remote(SchedulerActor).options(
+                # Ray restarts a dead scheduler (its TP workers die with it and are rebuilt by the new one).
+                **opts, max_concurrency=10_000, max_restarts=MAX_RESTARTS,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                     placement_group_bundle_index=0,
+                                                                     placement_group_capture_child_tasks=False),
+            ).remote(args, max_waiting_requests, threads)
+            replicas.append(Replica(i, actor, pg))
+        ray.get([r.actor.warmup.remote() for r in replicas])
+    except BaseException:
+        shutdown_replicas(replicas)
+        raise
+    logger.info("%d replica(s) ready (tensor_parallel_size=%d)", len(replicas), tp)
+    return replicas
+
+
+def shutdown_replicas(replicas: list[Replica]) -> None:
+    for r in replicas:
+        try:
+            ray.get(r.actor.shutdown.remote(), timeout=30)
+        except Exception as e:  # already dead: its workers die with their placement group
+            logger.debug("replica %d shutdown: %s", r.index, e)
+        ray.kill(r.actor, no_restart=True)
+        remove_placement_group(r.placement_group)

@@ -1,0 +1,153 @@
+"""The Ray-hosted scheduler: an async actor that owns one replica's ``EngineCore`` and runs its step loop.
+
+Gateways add requests by token ids and receive every step's ``EngineCoreOutput`` batch through one
+long-lived Ray streaming generator per gateway (``output_stream``): a push path, one object per step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import ray
+
+from pagedserve.config import EngineArgs
+from pagedserve.engine.core_output import EngineCoreOutput, make_core_output
+from pagedserve.engine.engine_core import EngineCore
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WARMUP_ID = "__warmup__"
+
+
+class QueueFullError(RuntimeError):
+    """The replica's waiting queue is at --max-waiting-requests."""
+
+
+class SchedulerActor:
+    def __init__(self, engine_args: EngineArgs, max_waiting_requests: int | None = None,
+                 num_threads: int | None = None) -> None:
+        import torch
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        config = engine_args.create_engine_config()
+        executor_cls = None
+        pc = config.parallel_config
+        if pc.tensor_parallel_size > 1 or pc.distributed_executor_backend == "ray":
+            from pagedserve.cluster.ray_executor import RayExecutor
+
+            pg = ray.util.get_current_placement_group()
+
+            def executor_cls(cfg):  # the ranks sit in bundles 1..tp of this actor's group
+                return RayExecutor(cfg, placement_group=pg, first_bundle=1)
+        self.core = EngineCore(config, executor_cls)
+        self.max_waiting_requests = max_waiting_requests
+        self.num_requests = 0
+        self._owner: dict[str, str] = {}  # request id -> gateway (client) id
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._lock = asyncio.Lock()  # held while a step runs; adds and aborts go in between steps
+        self._work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def _queue(self, client_id: str) -> asyncio.Queue:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        return self._queues.setdefault(client_id, asyncio.Queue())
+
+    async def add_request(self, client_id: str, request_id: str, prompt_token_ids: list[int],
+                          params: SamplingParams | BeamSearchParams, cache_salt: str | None = None) -> None:
+        self._queue(client_id)
+        if self.max_waiting_requests is not None and len(self.core.scheduler.waiting) >= self.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
+        async with self._lock:
+            self.core.add_request(request_id, prompt_token_ids, params, cache_salt)
+            self._owner[request_id] = client_id
+        self.num_requests += 1
+        self._work.set()
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort requests; returns those that were running. Their blocks are free once this returns."""
+        found = []
+        async with self._lock:
+            for rid in request_ids:
+                self._owner.pop(rid, None)
+                if self.core.abort_request(rid) is not None:
+                    found.append(rid)
+        return found
+
+    async def stop_sequence(self, request_id: str, index: int) -> None:
+        async with self._lock:
+            self.core.stop_sequence(request_id, index)
+
+    async def output_stream(self, client_id: str):
+        """Yields lists of ``EngineCoreOutput`` for this client's requests, a list per step (or more if it lags)."""
+        q = self._queue(client_id)
+        try:
+            while True:
+                batch = await q.get()
+                while not q.empty():
+                    batch += q.get_nowait()
+                yield batch
+        finally:
+            self._queues.pop(client_id, None)
+            stale = [rid for rid, c in self._owner.items() if c == client_id]
+            if stale:
+                await self.abort(stale)
+
+    async def _loop(self) -> None:
+        while True:
+            await self._work.wait()
+            async with self._lock:
+                if not self.core.has_unfinished_requests():
+                    self._work.clear()
+                    continue
+                try:
+                    outputs = await asyncio.to_thread(self.core.step)
+                except Exception as e:  # a bug, not a worker death (the core recovers from those)
+                    logger.exception("engine step failed; failing the running requests")
+                    outputs = [make_core_output(u, f"engine step failed: {e}") for u in self.core.scheduler.fail_all()]
+            self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        batches: dict[str, list[EngineCoreOutput]] = {}
+        for out in outputs:
+            client = self._owner.pop(out.request_id, None) if out.finished else self._owner.get(out.request_id)
+            if client is not None and client in self._queues:
+                batches.setdefault(client, []).append(out)
+        for client, batch in batches.items():
+            self._queues[client].put_nowait(batch)
+
+    async def warmup(self) -> None:
+        """Run one tiny request through the whole path (the health check turns SERVING after this)."""
+        eos = self.core.config.model_config.eos_token_ids
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        async with self._lock:
+            self.core.add_request(WARMUP_ID, [eos[0] if eos else 0], params)
+            while self.core.has_unfinished_requests():
+                await asyncio.to_thread(self.core.step)
+
+    def get_info(self) -> dict:
+        cfg = self.core.config
+        return {"model": cfg.model_config.model, "architecture": cfg.model_config.architecture,
+                "max_model_len": self.core.max_model_len, "vocab_size": self.core.vocab_size,
+                "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
+                "block_size": cfg.cache_config.block_size, "num_kv_blocks": cfg.cache_config.num_blocks,
+                "eos_token_ids": list(cfg.model_config.eos_token_ids),
+                "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
+                "enable_prefix_caching": cfg.cache_config.enable_prefix_caching}
+
+    def get_stats(self) -> dict:
+        return {**self.core.get_stats(), "num_requests": self.num_requests,
+                "num_worker_restarts": self.core.num_worker_restarts}
+
+    def get_node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

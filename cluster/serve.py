@@ -1,0 +1,78 @@
+"""``pagedserve serve``: start (or join) Ray, launch the replicas, serve gRPC until SIGTERM, then drain."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+
+from pagedserve.cluster.engine_client import EngineClient
+from pagedserve.cluster.gateway import Gateway, ModelInfo
+from pagedserve.cluster.replicas import launch_replicas, shutdown_replicas
+from pagedserve.config import EngineArgs
+from pagedserve.engine.llm_engine import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeOptions:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    api_key: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    data_parallel_size: int = 1
+    max_waiting_requests: int | None = None
+    drain_timeout: float = 30.0
+    served_model_name: str | None = None
+
+
+async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None = None,
+                on_ready: Callable[[Gateway], None] | None = None) -> None:
+    """Run until ``stop`` is set (by default on SIGTERM or SIGINT); ``on_ready`` gets the gateway once SERVING."""
+    config = args.create_engine_config()  # fails fast on a bad model dir or TP split
+    model_dir = config.model_config.model
+    tokenizer = load_tokenizer(args.tokenizer or model_dir)
+    gateway = Gateway(tokenizer, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile)
+    await gateway.start()
+    logger.info("gRPC gateway listening on %s:%d (NOT_SERVING until the model is loaded)", opts.host, gateway.port)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    started_ray = not ray.is_initialized() and not (args.ray_address or os.environ.get("RAY_ADDRESS"))
+    replicas, engine = [], None
+    try:
+        launch = asyncio.ensure_future(asyncio.to_thread(
+            launch_replicas, args, opts.data_parallel_size, opts.max_waiting_requests))
+        await asyncio.wait([launch, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if not launch.done():
+            logger.info("stopped while loading")
+            replicas = await launch
+            return
+        replicas = launch.result()
+        engine = EngineClient(replicas, tokenizer)
+        engine.start()
+        info = await replicas[0].actor.get_info.remote()
+        name = opts.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        await gateway.set_ready(engine, ModelInfo(name, info, len(replicas)))
+        logger.info("ready: serving %s on %s:%d (%d replica(s), tensor_parallel_size=%d, %d KV blocks each)",
+                    name, opts.host, gateway.port, len(replicas), info["tensor_parallel_size"], info["num_kv_blocks"])
+        if on_ready is not None:
+            on_ready(gateway)
+        await stop.wait()
+        logger.info("draining (up to %.0f s)", opts.drain_timeout)
+    finally:
+        await gateway.drain(opts.drain_timeout if engine else 0.0)
+        if engine is not None:
+            await engine.close()
+        shutdown_replicas(replicas)
+        if started_ray:
+            ray.shutdown()
+        logger.info("stopped")

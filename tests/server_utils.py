@@ -1,0 +1,75 @@
+"""A real gRPC gateway on loopback, run by ``serve()`` on its own event loop in a background thread."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import grpc
+
+from pagedserve.cluster.client import Client
+from pagedserve.cluster.serve import ServeOptions, serve
+from pagedserve.config import EngineArgs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    def __init__(self, args: EngineArgs, **opts) -> None:
+        self.opts = ServeOptions(host="127.0.0.1", port=free_port(), **opts)
+        self.target = f"127.0.0.1:{self.opts.port}"
+        self.args = args
+        self.health_seen: list[str] = []  # distinct health states, in the order first seen
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self.gateway = None  # the running Gateway, once SERVING
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._stop = asyncio.Event()
+        try:
+            self._loop.run_until_complete(serve(self.args, self.opts, self._stop, self._ready))
+        except BaseException as e:  # surfaced by start()/stop()
+            self._error = e
+
+    def _ready(self, gateway) -> None:
+        self.gateway = gateway
+
+    @property
+    def replicas(self):
+        return self.gateway.servicer.engine.replicas
+
+    def client(self, **kw) -> Client:
+        return Client(self.target, **kw)
+
+    def start(self, timeout: float = 120.0, **client_kw) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        with self.client(timeout=2, **client_kw) as c:
+            while time.monotonic() < deadline:
+                if self._error is not None:
+                    raise self._error
+                try:
+                    status = c.health()
+                except grpc.RpcError:
+                    status = None
+                if status and (not self.health_seen or self.health_seen[-1] != status):
+                    self.health_seen.append(status)
+                if status == "SERVING":
+                    return self
+                time.sleep(0.05)
+        raise TimeoutError(f"server not SERVING after {timeout} s; saw {self.health_seen}")
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(120)
+        if self._error is not None:
+            raise self._error

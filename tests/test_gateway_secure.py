@@ -1,0 +1,103 @@
+"""API key, TLS, a full waiting queue, and a scheduler actor that dies: each gets its status code, and the
+server keeps serving."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+import ray
+
+from pagedserve.config import EngineArgs
+from pagedserve.tests.server_utils import ServerThread
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = str(d / "cert.pem"), str(d / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def secure(ray_cluster, llama_dir, tls_files):
+    cert, key = tls_files
+    root = open(cert, "rb").read()
+    srv = ServerThread(EngineArgs(model=llama_dir, seed=0, max_num_seqs=1), api_key=KEY, ssl_certfile=cert,
+                       ssl_keyfile=key, max_waiting_requests=1)
+    srv.start(root_certificates=root)
+    srv.root = root
+    yield srv
+    srv.stop()
+
+
+def test_api_key_required(secure):
+    with secure.client(root_certificates=secure.root) as c:
+        assert c.health() == "SERVING"  # probes need no key
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("class", max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            c.tokenize("class")
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with secure.client(root_certificates=secure.root, api_key="wrong") as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.model_info()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with secure.client(root_certificates=secure.root, api_key=KEY) as c:
+        assert c.generate("class", max_tokens=2, temperature=0.0).completion_tokens == 2
+
+
+def test_plaintext_client_cannot_talk_to_tls_server(secure):
+    with secure.client(api_key=KEY, timeout=3) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.model_info()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_full_queue_is_resource_exhausted(secure):
+    with secure.client(root_certificates=secure.root, api_key=KEY) as c:
+        long = dict(max_tokens=150, temperature=0.0, ignore_eos=True)
+        running = c.stream("class", **long)
+        next(running)  # running now; max_num_seqs=1 keeps the next one waiting
+        waiting = c.stream("def", **long)
+        deadline = time.monotonic() + 20
+        while c.model_info().num_waiting_requests < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("import", max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "waiting queue is full" in err.value.details()
+        assert sum(len(r.completions[0].token_ids) for r in running) == 149
+        assert sum(len(r.completions[0].token_ids) for r in waiting) == 150
+        assert c.generate("import", max_tokens=2, temperature=0.0).completion_tokens == 2
+
+
+def test_scheduler_actor_death_is_unavailable_then_recovers(secure):
+    replica = secure.replicas[0]
+    pid = ray.get(replica.actor.pid.remote())
+    with secure.client(root_certificates=secure.root, api_key=KEY) as c:
+        stream = c.stream("class", max_tokens=200, temperature=0.0, ignore_eos=True)
+        next(stream)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        deadline = time.monotonic() + 90
+        while True:  # Ray restarts the actor; the gateway reconnects once it has warmed up
+            try:
+                assert c.generate("class", max_tokens=3, temperature=0.0).completion_tokens == 3
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                assert time.monotonic() < deadline, "the replica did not come back"
+                time.sleep(0.5)
+    assert ray.get(replica.actor.pid.remote()) != pid
