@@ -142,6 +142,32 @@ def cmd_client(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from pagedserve.cluster.demo import run_demo
+
+    sampling = {k: v for k, v in vars(sampling_params_from(ns)).items()
+                if k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")}
+    return run_demo(engine_args_from(ns), ns.prompts, sampling, ns.port, ns.data_parallel_size)
+
+
+def cmd_health(ns: argparse.Namespace) -> int:
+    import grpc
+
+    from pagedserve.cluster.client import Client
+
+    deadline = time.monotonic() + ns.wait
+    with Client(ns.server, tls=ns.tls, timeout=5) as client:
+        while True:
+            try:
+                status = client.health()
+            except grpc.RpcError as e:
+                status = e.code().name
+            if status == "SERVING" or time.monotonic() >= deadline:
+                print(status)
+                return 0 if status == "SERVING" else 1
+            time.sleep(0.2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="Paged-KV LLM serving")
     parser.add_argument("--log-level", default="INFO")
@@ -168,10 +194,26 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     add_sampling_args(cli)
     cli.set_defaults(func=cmd_client)
+
+    demo = sub.add_parser("demo", help="start the whole cluster, stream a few concurrent requests over gRPC, stop")
+    demo.add_argument("prompts", nargs="*")
+    demo.add_argument("--port", type=int, default=None, help="gateway port (default: a free one)")
+    demo.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    add_engine_args(demo)
+    add_sampling_args(demo)
+    demo.set_defaults(func=cmd_demo, max_tokens=48)
+
+    health = sub.add_parser("health", help="print a server's gRPC health; exit 0 if SERVING")
+    health.add_argument("--server", default="localhost:50051")
+    health.add_argument("--wait", type=float, default=0.0, help="poll up to this many seconds for SERVING")
+    health.add_argument("--tls", action="store_true")
+    health.set_defaults(func=cmd_health)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ray forks helper processes while gRPC threads run; gRPC's fork handlers are not needed and log noise.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

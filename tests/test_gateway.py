@@ -12,7 +12,7 @@ from pagedserve import LLM, BeamSearchParams, SamplingParams
 from pagedserve.cluster.client import AsyncClient
 from pagedserve.config import EngineArgs
 from pagedserve.proto.v1 import generation_pb2 as pb
-from pagedserve.tests.server_utils import ServerThread
+from pagedserve.cluster.server_thread import ServerThread
 from pagedserve.tests.utils import random_prompts
 
 WORDS = "def class return import self value the of data paged block cache".split()

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from pagedserve.config import EngineArgs
-from pagedserve.tests.server_utils import ServerThread
+from pagedserve.cluster.server_thread import ServerThread
 
 KEY = "s3cret-key"
 

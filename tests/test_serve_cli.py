@@ -14,7 +14,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.client import Client
-from pagedserve.tests.server_utils import free_port
+from pagedserve.cluster.server_thread import free_port
 
 PS = [sys.executable, "-m", "pagedserve.cluster.cli"]
 

@@ -1,4 +1,4 @@
-"""A real gRPC gateway on loopback, run by ``serve()`` on its own event loop in a background thread."""
+"""A gateway run by ``serve()`` on its own event loop in a background thread (``pagedserve demo``, tests)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +21,8 @@ def free_port() -> int:
 
 class ServerThread:
     def __init__(self, args: EngineArgs, **opts) -> None:
-        self.opts = ServeOptions(host="127.0.0.1", port=free_port(), **opts)
+        opts.setdefault("port", free_port())
+        self.opts = ServeOptions(host="127.0.0.1", **opts)
         self.target = f"127.0.0.1:{self.opts.port}"
         self.args = args
         self.health_seen: list[str] = []  # distinct health states, in the order first seen
