@@ -96,7 +96,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="per replica; beyond it requests get RESOURCE_EXHAUSTED")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
-    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--served-model-name", default=None, help="the model_name label and GetModelInfo name")
+    g.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0: off)")
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

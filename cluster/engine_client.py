@@ -30,8 +30,9 @@ def unwrap(e: BaseException) -> BaseException:
 
 
 class EngineClient:
-    def __init__(self, replicas: list[Replica], tokenizer) -> None:
+    def __init__(self, replicas: list[Replica], tokenizer, tensor_parallel_size: int = 1) -> None:
         self.replicas = replicas
+        self.tensor_parallel_size = tensor_parallel_size
         self.client_id = uuid.uuid4().hex
         self.processor = OutputProcessor(tokenizer, self._stop_sequence)
         self._queues: dict[str, asyncio.Queue] = {}

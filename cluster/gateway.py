@@ -14,7 +14,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pagedserve.cluster.engine_client import EngineClient, EngineUnavailableError
-from pagedserve.cluster.protocol import ResponseBuilder, params_from_proto
+from pagedserve.cluster.metrics import GatewayMetrics
+from pagedserve.cluster.protocol import FINISH_NAMES, ResponseBuilder, params_from_proto
 from pagedserve.cluster.scheduler_actor import QueueFullError
 from pagedserve.proto.v1 import generation_pb2 as pb
 from pagedserve.proto.v1 import generation_pb2_grpc as pb_grpc
@@ -43,8 +44,9 @@ class ModelInfo:
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, metrics: GatewayMetrics) -> None:
         self.tokenizer = tokenizer
+        self.metrics = metrics
         self.engine: EngineClient | None = None  # set once the replicas are up
         self.model: ModelInfo | None = None
         self.draining = False
@@ -62,6 +64,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         self.in_flight += 1
         self.idle.clear()
+        timer = self.metrics.request()
+        admitted = finished = False
+        code = None
         try:
             engine = self._ready_engine()
             parsed = params_from_proto(request)
@@ -74,17 +79,33 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             builder = ResponseBuilder(rid, len(ids), lp, plp)
             async for out in engine.generate(rid, parsed.prompt, ids, parsed.params, parsed.stream,
                                              request.cache_salt or None):
-                yield builder.build(out)
+                if not admitted:
+                    admitted = True
+                    timer.admitted(len(ids))
+                resp = builder.build(out)
+                timer.tokens(sum(len(c.token_ids) for c in resp.completions))
+                if out.finished:
+                    finished = True
+                    timer.finished(_finish_reason(resp))
+                yield resp
         except (ValueError, TypeError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(e))
         except QueueFullError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            await context.abort(code, str(e))
         except EngineUnavailableError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            code = grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, str(e))
         except Exception as e:  # a bug: say what, not a traceback
             logger.exception("Generate failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            code = grpc.StatusCode.INTERNAL
+            await context.abort(code, f"internal error: {type(e).__name__}: {e}")
         finally:
+            if code is not None:
+                timer.error(code.name)
+            if admitted and not finished:  # cancelled or deadline (abort), or failed (error)
+                timer.finished("error" if code is not None else "abort")
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.idle.set()
@@ -126,12 +147,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return pb.AbortResponse(found=found)
 
 
+def _finish_reason(resp: pb.GenerateResponse) -> str:
+    reasons = [FINISH_NAMES[c.finish_reason] for c in resp.completions if c.finish_reason]
+    return reasons[0] if reasons else "stop"
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Requires ``authorization: Bearer KEY`` (or ``x-api-key: KEY``) on every call but health checks,
     which load balancers and Kubernetes probes make without credentials."""
 
-    def __init__(self, api_key: str) -> None:
+    def __init__(self, api_key: str, metrics: GatewayMetrics | None = None) -> None:
         self.expected = [f"Bearer {api_key}".encode(), api_key.encode()]
+        self.metrics = metrics
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -141,6 +168,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         given = [md.get("authorization", ""), md.get("x-api-key", "")]
         if any(hmac.compare_digest(g.encode(), e) for g, e in zip(given, self.expected) if g):
             return handler
+        if self.metrics is not None and details.method.endswith("/Generate"):
+            self.metrics.request().error("UNAUTHENTICATED")
         return _deny(handler)
 
 
@@ -167,11 +196,13 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 class Gateway:
     """The gRPC server: up (NOT_SERVING) before the model loads, SERVING after warm-up, NOT_SERVING while draining."""
 
-    def __init__(self, tokenizer, host: str = "0.0.0.0", port: int = 50051, api_key: str | None = None,
-                 ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
-        interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    def __init__(self, tokenizer, metrics: GatewayMetrics, host: str = "0.0.0.0", port: int = 50051,
+                 api_key: str | None = None, ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
+        interceptors = [ApiKeyInterceptor(api_key, metrics)] if api_key else []
         self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-        self.servicer = GenerationServicer(tokenizer)
+        self.metrics = metrics
+        self.metrics_port: int | None = None
+        self.servicer = GenerationServicer(tokenizer, metrics)
         pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -200,6 +231,7 @@ class Gateway:
 
     async def set_ready(self, engine: EngineClient, model: ModelInfo) -> None:
         self.servicer.engine, self.servicer.model = engine, model
+        self.metrics.replicas.engine = engine
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def drain(self, timeout: float) -> None:
@@ -211,3 +243,4 @@ class Gateway:
         except asyncio.TimeoutError:
             logger.warning("drain timeout: %d request(s) still running are cancelled", self.servicer.in_flight)
         await self.server.stop(grace=1.0)
+        self.metrics.stop_http_server()

@@ -11,6 +11,7 @@ import os
 
 import ray
 
+from pagedserve.cluster.scheduler_metrics import SchedulerMetrics
 from pagedserve.config import EngineArgs
 from pagedserve.engine.core_output import EngineCoreOutput, make_core_output
 from pagedserve.engine.engine_core import EngineCore
@@ -44,6 +45,7 @@ class SchedulerActor:
             def executor_cls(cfg):  # the ranks sit in bundles 1..tp of this actor's group
                 return RayExecutor(cfg, placement_group=pg, first_bundle=1)
         self.core = EngineCore(config, executor_cls)
+        self.metrics = SchedulerMetrics(self.core)
         self.max_waiting_requests = max_waiting_requests
         self.num_requests = 0
         self._owner: dict[str, str] = {}  # request id -> gateway (client) id
@@ -63,8 +65,9 @@ class SchedulerActor:
         if self.max_waiting_requests is not None and len(self.core.scheduler.waiting) >= self.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
         async with self._lock:
-            self.core.add_request(request_id, prompt_token_ids, params, cache_salt)
+            req = self.core.add_request(request_id, prompt_token_ids, params, cache_salt)
             self._owner[request_id] = client_id
+            self.metrics.track(req)
         self.num_requests += 1
         self._work.set()
 
@@ -76,11 +79,13 @@ class SchedulerActor:
                 self._owner.pop(rid, None)
                 if self.core.abort_request(rid) is not None:
                     found.append(rid)
+        self.metrics.reap()
         return found
 
     async def stop_sequence(self, request_id: str, index: int) -> None:
         async with self._lock:
             self.core.stop_sequence(request_id, index)
+        self.metrics.reap()
 
     async def output_stream(self, client_id: str):
         """Yields lists of ``EngineCoreOutput`` for this client's requests, a list per step (or more if it lags)."""
@@ -106,6 +111,7 @@ class SchedulerActor:
                     continue
                 try:
                     outputs = await asyncio.to_thread(self.core.step)
+                    self.metrics.on_step(outputs, self.core.last_step)
                 except Exception as e:  # a bug, not a worker death (the core recovers from those)
                     logger.exception("engine step failed; failing the running requests")
                     outputs = [make_core_output(u, f"engine step failed: {e}") for u in self.core.scheduler.fail_all()]
@@ -140,8 +146,11 @@ class SchedulerActor:
                 "enable_prefix_caching": cfg.cache_config.enable_prefix_caching}
 
     def get_stats(self) -> dict:
-        return {**self.core.get_stats(), "num_requests": self.num_requests,
-                "num_worker_restarts": self.core.num_worker_restarts}
+        return {**self.core.get_stats(), "num_requests": self.num_requests}
+
+    def get_metrics(self) -> list:
+        """Prometheus metric families measured here (the gateway's /metrics serves them)."""
+        return self.metrics.collect()
 
     def get_node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

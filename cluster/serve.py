@@ -12,6 +12,7 @@ import ray
 
 from pagedserve.cluster.engine_client import EngineClient
 from pagedserve.cluster.gateway import Gateway, ModelInfo
+from pagedserve.cluster.metrics import GatewayMetrics
 from pagedserve.cluster.replicas import launch_replicas, shutdown_replicas
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import load_tokenizer
@@ -30,6 +31,7 @@ class ServeOptions:
     max_waiting_requests: int | None = None
     drain_timeout: float = 30.0
     served_model_name: str | None = None
+    metrics_port: int = 9400  # 0: no /metrics endpoint
 
 
 async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None = None,
@@ -38,8 +40,13 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
     config = args.create_engine_config()  # fails fast on a bad model dir or TP split
     model_dir = config.model_config.model
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
-    gateway = Gateway(tokenizer, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile)
+    name = opts.served_model_name or os.path.basename(os.path.normpath(model_dir))
+    metrics = GatewayMetrics(name)
+    gateway = Gateway(tokenizer, metrics, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile)
     await gateway.start()
+    if opts.metrics_port:
+        gateway.metrics_port = metrics.start_http_server(opts.metrics_port, opts.host)
+        logger.info("Prometheus metrics on http://%s:%d/metrics", opts.host, gateway.metrics_port)
     logger.info("gRPC gateway listening on %s:%d (NOT_SERVING until the model is loaded)", opts.host, gateway.port)
     if stop is None:
         stop = asyncio.Event()
@@ -57,10 +64,9 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
             replicas = await launch
             return
         replicas = launch.result()
-        engine = EngineClient(replicas, tokenizer)
-        engine.start()
         info = await replicas[0].actor.get_info.remote()
-        name = opts.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        engine = EngineClient(replicas, tokenizer, info["tensor_parallel_size"])
+        engine.start()
         await gateway.set_ready(engine, ModelInfo(name, info, len(replicas)))
         logger.info("ready: serving %s on %s:%d (%d replica(s), tensor_parallel_size=%d, %d KV blocks each)",
                     name, opts.host, gateway.port, len(replicas), info["tensor_parallel_size"], info["num_kv_blocks"])

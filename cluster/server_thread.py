@@ -22,6 +22,7 @@ def free_port() -> int:
 class ServerThread:
     def __init__(self, args: EngineArgs, **opts) -> None:
         opts.setdefault("port", free_port())
+        opts.setdefault("metrics_port", 0)
         self.opts = ServeOptions(host="127.0.0.1", **opts)
         self.target = f"127.0.0.1:{self.opts.port}"
         self.args = args

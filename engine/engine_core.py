@@ -147,6 +147,7 @@ class EngineCore:
             "preemptions_recompute": st.num_preemptions["recompute"], "preemptions_swap": st.num_preemptions["swap"],
             "swapped_in_blocks": st.num_swapped_in_blocks, "swapped_out_blocks": st.num_swapped_out_blocks,
             "scheduled_tokens": st.num_scheduled_tokens, "steps": st.num_steps,
+            "num_worker_restarts": self.num_worker_restarts,
         }
 
     def reset_prefix_cache(self) -> None:
@@ -165,6 +166,7 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
+        self.last_step = None
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and not (sched.finished_seq_ids or sched.blocks_to_swap_out):

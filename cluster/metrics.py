@@ -1,0 +1,140 @@
+"""The gateway's Prometheus endpoint (``--metrics-port``): request-level metrics measured here, plus every
+scheduler actor's metrics pulled at scrape time, all in one scrape and all labelled ``model_name``."""
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from pagedserve.cluster.scheduler_metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
+
+logger = logging.getLogger(__name__)
+
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 10.0)
+SCRAPE_TIMEOUT_S = 5.0
+
+
+class ReplicaCollector:
+    """Scheduler-actor metrics with ``replica`` and ``model_name`` labels, and the workers-up gauges."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.engine = None  # EngineClient, once the replicas are up
+
+    def collect(self):
+        engine = self.engine
+        if engine is None:
+            return
+        up = GaugeMetricFamily("pagedserve_workers_up", "Model workers (TP ranks) alive, per replica.",
+                               labels=["model_name", "replica"])
+        expected = GaugeMetricFamily("pagedserve_workers_expected", "Model workers (TP ranks) configured, per replica.",
+                                     labels=["model_name", "replica"])
+        merged: dict[str, Metric] = {}
+        for r, alive in zip(engine.replicas, engine.alive):
+            labels = [self.model_name, str(r.index)]
+            expected.add_metric(labels, engine.tensor_parallel_size)
+            families = None
+            if alive:
+                try:
+                    families = ray.get(r.actor.get_metrics.remote(), timeout=SCRAPE_TIMEOUT_S)
+                except Exception as e:  # a dying replica must not break the scrape
+                    logger.warning("replica %d metrics unavailable: %s", r.index, e)
+            up.add_metric(labels, engine.tensor_parallel_size if families is not None else 0)
+            for fam in families or []:
+                out = merged.get(fam.name)
+                if out is None:
+                    out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                for s in fam.samples:
+                    out.add_sample(s.name, {"model_name": self.model_name, "replica": str(r.index), **s.labels},
+                                   s.value, s.timestamp)
+        yield up
+        yield expected
+        yield from merged.values()
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self._http = None
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.replicas = ReplicaCollector(model_name)
+        self.registry.register(self.replicas)
+        m, reg = ["model_name"], dict(registry=self.registry)
+        self.finished = Counter("pagedserve_requests_finished", "Requests finished, by reason: stop, length, "
+                                "abort (client cancel, deadline or Abort) or error.", m + ["finish_reason"], **reg)
+        self.errors = Counter("pagedserve_request_errors", "Generate calls that ended with a gRPC error, by code.",
+                              m + ["code"], **reg)
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of admitted requests.", m, **reg)
+        self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens streamed to clients.", m, **reg)
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Request received to first token sent.",
+                              m, buckets=LATENCY_BUCKETS, **reg)
+        self.itl = Histogram("pagedserve_inter_token_latency_seconds", "Gap between consecutive streamed chunks.",
+                             m, buckets=ITL_BUCKETS, **reg)
+        self.tpot = Histogram("pagedserve_time_per_output_token_seconds",
+                              "Per request: (end-to-end - time to first token) / (output tokens - 1).",
+                              m, buckets=ITL_BUCKETS, **reg)
+        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "Request received to last token sent.",
+                             m, buckets=LATENCY_BUCKETS, **reg)
+        self.prompt_len = Histogram("pagedserve_request_prompt_tokens", "Prompt length of admitted requests.",
+                                    m, buckets=TOKEN_BUCKETS, **reg)
+        self.generation_len = Histogram("pagedserve_request_generation_tokens", "Output tokens of finished requests.",
+                                        m, buckets=TOKEN_BUCKETS, **reg)
+
+    def start_http_server(self, port: int, host: str = "0.0.0.0") -> int:
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def stop_http_server(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    def request(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Times one Generate call from the gateway's side."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.m = metrics
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.num_tokens = 0
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self.m.prompt_tokens.labels(self.m.model_name).inc(prompt_tokens)
+        self.m.prompt_len.labels(self.m.model_name).observe(prompt_tokens)
+
+    def tokens(self, n: int) -> None:
+        if n == 0:
+            return
+        now = time.monotonic()
+        name = self.m.model_name
+        if self.first is None:
+            self.first = now
+            self.m.ttft.labels(name).observe(now - self.start)
+        else:
+            self.m.itl.labels(name).observe(now - self.last)
+        self.last = now
+        self.num_tokens += n
+        self.m.generation_tokens.labels(name).inc(n)
+
+    def finished(self, reason: str) -> None:
+        name = self.m.model_name
+        self.m.finished.labels(name, reason).inc()
+        if reason in ("stop", "length"):
+            now = time.monotonic()
+            self.m.e2e.labels(name).observe(now - self.start)
+            self.m.generation_len.labels(name).observe(self.num_tokens)
+            if self.num_tokens > 1 and self.first is not None:
+                self.m.tpot.labels(name).observe((self.last - self.first) / (self.num_tokens - 1))
+
+    def error(self, code: str) -> None:
+        self.m.errors.labels(self.m.model_name, code).inc()
