@@ -59,6 +59,9 @@ class RayWorker:
         torch.set_num_threads(num_threads)
         self.config, self.rank, self.worker = config, rank, None
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 

@@ -158,5 +158,10 @@ class SchedulerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def worker_pids(self) -> list[int]:
+        """Process ids of the TP worker actors (empty when the model runs in this actor)."""
+        workers = getattr(self.core.executor, "workers", None) or []
+        return ray.get([w.pid.remote() for w in workers])
+
     def shutdown(self) -> None:
         self.core.shutdown()
