@@ -76,3 +76,15 @@ def test_serve_process_client_cli_and_sigterm_drain(ray_cluster, llama_dir):
             proc.kill()
     leftover = [pg for pg in ray_cluster.util.placement_group_table().values() if pg["state"] == "CREATED"]
     assert not leftover, leftover
+
+
+def test_demo_command_on_the_bundled_model(ray_cluster):
+    """The README's main job (`pagedserve demo`), here joined to the session's Ray cluster."""
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    proc = subprocess.run(PS + ["demo", "--max-tokens", "24"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gateway SERVING" in proc.stderr
+    for i in range(4):
+        assert f"[{i}] " in proc.stdout
+    assert "[4 requests, 96 tokens in" in proc.stdout and "shut down cleanly" in proc.stdout
+    assert "def __init__(self" in proc.stdout
