@@ -24,8 +24,8 @@ from common import (REFERENCE_MODELS, Workload, make_workload, matmul_peak_flops
 from pagedserve import LLM, EngineArgs, LLMEngine, SamplingParams  # noqa: E402
 
 
-def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int, device: str = "cpu") -> dict:
-    llm = LLM(model_dir, skip_tokenizer_init=True, max_num_seqs=max_num_seqs, device=device,
+def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int, device: str = "cpu", block_size: int = 16) -> dict:
+    llm = LLM(model_dir, skip_tokenizer_init=True, max_num_seqs=max_num_seqs, device=device, block_size=block_size,
               dtype="bfloat16" if device == "cuda" else "float32")
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     t = time.perf_counter()
@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: bf16 on the GPU")
     ap.add_argument("--out", default="throughput", help="results file name (under benchmarks/results/)")
+    ap.add_argument("--extra-block-sizes", type=int, nargs="*", default=[8],
+                    help="also run pagedserve with these block sizes (KV waste vs throughput)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -127,6 +129,11 @@ def main() -> None:
     for name in args.workloads:
         wl = make_workload(name)
         ours = run_pagedserve(model_dir, wl, args.max_num_seqs, args.device)
+        ours["block_sizes"] = {16: {k: ours[k] for k in ("output_tok_s", "kv_waste")}}
+        for bs in args.extra_block_sizes:
+            other = run_pagedserve(model_dir, wl, args.max_num_seqs, args.device, bs)
+            ours["block_sizes"][bs] = {k: other[k] for k in ("output_tok_s", "kv_waste")}
+            print(f"  block_size {bs}: {other['output_tok_s']:.1f} out tok/s, KV waste {other['kv_waste']:.2%}")
         seq = run_hf_sequential(hf, wl, args.hf_sequential_requests, rng)
         static = run_hf_static(hf, wl, args.hf_static_batches, rng)
         mean_ctx = statistics.mean(len(p) + o / 2 for p, o in zip(wl.prompts, wl.output_lens))
