@@ -19,10 +19,15 @@ def test_ray_job_submit_runs_serve_and_query(llama_dir):
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="token")
     env.pop("RAY_ADDRESS", None)
     gcs_port, dash_port = free_port(), free_port()
+    # Every fixed-default port gets a free one: the session's own Ray instance (conftest) already holds the
+    # dashboard agent's 52365, and an agent that cannot bind cannot take jobs ("No available agent").
+    ports = [f"--{name}={free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                       "metrics-export-port", "runtime-env-agent-port",
+                                                       "ray-client-server-port")]
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths have a length limit
     # --block keeps `ray start` in the foreground; stopping it stops this head's processes only (unlike `ray stop`).
     head = subprocess.Popen([os.path.join(bin_dir, "ray"), "start", "--head", f"--port={gcs_port}",
-                             f"--dashboard-port={dash_port}", "--num-cpus=4", "--block", "--disable-usage-stats",
+                             f"--dashboard-port={dash_port}", *ports, "--num-cpus=4", "--block", "--disable-usage-stats",
                              f"--temp-dir={temp_dir}"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     address = f"http://127.0.0.1:{dash_port}"
@@ -32,6 +37,7 @@ def test_ray_job_submit_runs_serve_and_query(llama_dir):
                              capture_output=True).returncode != 0:
             assert head.poll() is None and time.monotonic() < deadline, "ray head did not come up"
             time.sleep(1)
+        deadline = time.monotonic() + 60
         while True:
             job = subprocess.run([os.path.join(bin_dir, "ray"), "job", "submit", "--address", address,
                                   "--working-dir", REPO, "--", "pagedserve", "demo", "--model", llama_dir,
