@@ -31,6 +31,8 @@ def reference_model(name: str) -> str:
     path = os.path.join(MODELS, name)
     if os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(
             os.path.join(path, "model.safetensors.index.json")):
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):  # a dir built before tokenizers were added
+            word_tokenizer(REFERENCE_MODELS[name]["vocab_size"]).save_pretrained(path)
         return path
     torch.manual_seed(0)
     config = LlamaConfig(**REFERENCE_MODELS[name], max_position_embeddings=4096, tie_word_embeddings=False,
@@ -39,7 +41,20 @@ def reference_model(name: str) -> str:
     with torch.device("cuda" if big and torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config)
     (model.to(torch.bfloat16) if big else model).save_pretrained(path, safe_serialization=True)
+    word_tokenizer(config.vocab_size).save_pretrained(path)
     return path
+
+
+def word_tokenizer(vocab_size: int):
+    """A tokenizer for random-weight models: one word per id ("w3" .. "w31999"), so any id detokenizes and the
+    gateway (which deals in text too) can serve the reference models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def num_params(model_dir: str) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
@@ -53,6 +54,8 @@ class SchedulerActor:
         self._lock = asyncio.Lock()  # held while a step runs; adds and aborts go in between steps
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # Every step on one thread, which keeps one OpenMP team (torch's pool belongs to the thread that starts it).
+        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
 
     def _queue(self, client_id: str) -> asyncio.Queue:
         if self._task is None:
@@ -110,12 +113,15 @@ class SchedulerActor:
                     self._work.clear()
                     continue
                 try:
-                    outputs = await asyncio.to_thread(self.core.step)
+                    outputs = await self._run_step()
                     self.metrics.on_step(outputs, self.core.last_step)
                 except Exception as e:  # a bug, not a worker death (the core recovers from those)
                     logger.exception("engine step failed; failing the running requests")
                     outputs = [make_core_output(u, f"engine step failed: {e}") for u in self.core.scheduler.fail_all()]
             self._dispatch(outputs)
+
+    def _run_step(self) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._step_thread, self.core.step)
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         batches: dict[str, list[EngineCoreOutput]] = {}
@@ -133,7 +139,7 @@ class SchedulerActor:
         async with self._lock:
             self.core.add_request(WARMUP_ID, [eos[0] if eos else 0], params)
             while self.core.has_unfinished_requests():
-                await asyncio.to_thread(self.core.step)
+                await self._run_step()
 
     def get_info(self) -> dict:
         cfg = self.core.config

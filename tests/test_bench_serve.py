@@ -1,0 +1,46 @@
+"""benchmarks/serve.py's latency definitions (vLLM's `bench serve`): TTFT from send to the first chunk, TPOT over
+the tokens after the first, ITL every gap between chunks, throughput over the whole run's span."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_serve", os.path.join(HERE, "..", "benchmarks", "serve.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+def test_summary_definitions(bench):
+    T = bench.RequestTiming
+    a = T(sent=0.0, chunks=[0.5, 0.6, 0.8], output_tokens=5)  # the last chunk carried 3 tokens
+    b = T(sent=1.0, chunks=[1.2, 2.2], output_tokens=2)
+    failed = T(sent=0.5, error="UNAVAILABLE")
+    s = bench.summarize([a, b, failed], rate=2.0)
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert s["duration_s"] == pytest.approx(2.2)
+    assert s["output_tok_s"] == pytest.approx(7 / 2.2) and s["request_throughput"] == pytest.approx(2 / 2.2)
+    assert s["ttft_ms"]["mean"] == pytest.approx(350.0)  # (0.5 + 0.2) / 2
+    assert s["tpot_ms"]["mean"] == pytest.approx((0.3 / 4 + 1.0 / 1) / 2 * 1e3)
+    assert s["itl_ms"]["mean"] == pytest.approx((100 + 200 + 1000) / 3)
+    assert s["itl_ms"]["p50"] == pytest.approx(200.0)
+    assert s["e2e_ms"]["p50"] == pytest.approx(1000.0)  # both take 0.8 and 1.2 s -> median 1.0 s
+
+
+def test_fresh_tokens_keep_lengths(bench):
+    wl = bench.Workload("w", [[5, 6, 7], [8] * 10], [4, 9])
+    a, b = bench.fresh_tokens(wl, 1), bench.fresh_tokens(wl, 2)
+    assert [len(p) for p in a.prompts] == [3, 10] and a.output_lens == [4, 9]
+    assert a.prompts != b.prompts and all(3 <= t < 32000 for p in a.prompts for t in p)
+    assert math.isnan(bench.percentiles([])["p99"])
