@@ -262,10 +262,10 @@ def test_render_dashboard_png(stack, tmp_path):
     spec.loader.exec_module(render)
     _, prom, _ = stack
     end = time.time()
-    out = render.render(prom.url, end - 30, end, 1.0, 1.0, str(tmp_path / "d.png"),
+    out = render.render(prom.url, end - 120, end, 1.0, 1.0, str(tmp_path / "d.png"),
                         panels=["Token throughput", "Prompt length"])
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     panel = next(p for p in promql.iter_panels(promql.load_dashboard()) if p["title"] == "Token throughput")
-    data = render.fetch(prom.url, panel, end - 30, end, 1.0, dict(model_name=".*", rate_interval="4s"))
+    data = render.fetch(prom.url, panel, end - 120, end, 1.0, dict(model_name=".*", rate_interval="4s"))
     assert data and any(v > 0 for _, _, vs in data for v in vs)  # the drawn series carry the load
