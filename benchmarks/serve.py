@@ -179,18 +179,12 @@ class Server:
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
+        def alive() -> None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pagedserve serve exited with {self.proc.returncode}; see {self.log.name}")
+
         with Client(self.target, timeout=2) as c:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"pagedserve serve exited with {self.proc.returncode}; see {self.log.name}")
-                try:
-                    if c.health() == "SERVING":
-                        return
-                except Exception:
-                    pass
-                time.sleep(0.5)
-        raise TimeoutError(f"server not SERVING after {timeout} s; see {self.log.name}")
+            c.wait_for_health("SERVING", timeout, poll=0.5, check=alive)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -7,8 +7,9 @@
 """
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -167,6 +168,26 @@ class Client:
         resp = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                                timeout=self.timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_for_health(self, want: str = "SERVING", timeout: float = 120.0, poll: float = 0.05,
+                        check: Callable[[], None] | None = None) -> list[str]:
+        """Poll health until it is ``want``; returns the distinct states seen, in order (an unreachable server
+        counts as none). ``check`` runs before every poll and raises to give up early (e.g. the server died)."""
+        seen: list[str] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if check is not None:
+                check()
+            try:
+                status = self.health()
+            except grpc.RpcError:
+                status = None
+            if status and (not seen or seen[-1] != status):
+                seen.append(status)
+            if status == want:
+                return seen
+            time.sleep(poll)
+        raise TimeoutError(f"health never {want} after {timeout} s; saw {seen}")
 
 
 class AsyncClient:

@@ -4,9 +4,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 
-import grpc
 
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.serve import ServeOptions, serve
@@ -53,21 +51,14 @@ class ServerThread:
 
     def start(self, timeout: float = 120.0, **client_kw) -> "ServerThread":
         self._thread.start()
-        deadline = time.monotonic() + timeout
+
+        def check() -> None:
+            if self._error is not None:
+                raise self._error
+
         with self.client(timeout=2, **client_kw) as c:
-            while time.monotonic() < deadline:
-                if self._error is not None:
-                    raise self._error
-                try:
-                    status = c.health()
-                except grpc.RpcError:
-                    status = None
-                if status and (not self.health_seen or self.health_seen[-1] != status):
-                    self.health_seen.append(status)
-                if status == "SERVING":
-                    return self
-                time.sleep(0.05)
-        raise TimeoutError(f"server not SERVING after {timeout} s; saw {self.health_seen}")
+            self.health_seen = c.wait_for_health("SERVING", timeout, check=check)
+        return self
 
     def stop(self) -> None:
         if self._stop is not None:

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -20,20 +19,10 @@ PS = [sys.executable, "-m", "pagedserve.cluster.cli"]
 
 
 def _wait_health(client: Client, want: str, proc: subprocess.Popen, timeout: float = 120.0) -> list[str]:
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def alive() -> None:
         assert proc.poll() is None, proc.stderr.read()
-        try:
-            status = client.health()
-        except grpc.RpcError:
-            status = None
-        if status and (not seen or seen[-1] != status):
-            seen.append(status)
-        if status == want:
-            return seen
-        time.sleep(0.05)
-    raise TimeoutError(f"health never {want}; saw {seen}")
+
+    return client.wait_for_health(want, timeout, check=alive)
 
 
 def test_serve_process_client_cli_and_sigterm_drain(ray_cluster, llama_dir):
