@@ -1,13 +1,17 @@
 """Online serving over gRPC: the serving workload of ../shared/BENCHMARKS.md against a running `pagedserve serve`.
 
-    python benchmarks/serve.py [--model bench-llama-58m] [--num-prompts 100] [--rates 1 2 4 inf] [--prometheus]
+    python benchmarks/serve.py [--model bench-llama-58m] [--num-prompts 100] [--rates 1 2 4 inf] [--pairs 3]
+                               [--prometheus]
 
 Starts `pagedserve serve` as its own process (Ray, scheduler actor, gateway), sends the sharegpt-like requests as
 token ids with Poisson arrivals at each rate (and all at once for `inf`), and measures with vLLM's `bench serve`
 definitions: TTFT, TPOT (first token excluded), ITL (every gap between streamed chunks) and end-to-end latency
-(mean, p50, p90, p99), request and output-token throughput. The gateway's overhead at infinite rate is a ratio
-measured side by side: the same requests through the offline `LLM` in this process (before the server starts and
-after it stops), straight into a scheduler actor over Ray (no gateway), and over gRPC.
+(mean, p50, p90, p99), request and output-token throughput. The client runs on uvloop, as a load generator should.
+
+The gateway's overhead is measured at infinite rate as the median of --pairs back-to-back pairs, each the same
+requests (fresh token ids per pair) over gRPC and then through the offline `LLM` in this process. This machine's
+speed drifts by several percent within minutes, so only runs side by side are compared. Before the server starts,
+as many pairs of scheduler actor over Ray (no gateway) and offline split the loss between the two.
 With --prometheus, a local Prometheus scrapes the gateway during the run and the dashboard's key panels are
 rendered to deploy/grafana/dashboard.png. Results: benchmarks/results/serve.{json,png}.
 """
@@ -15,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import math
 import os
 import signal
@@ -27,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REFERENCE_MODELS, RESULTS, Workload, make_workload, reference_model, save_results  # noqa: E402
@@ -114,26 +118,30 @@ def report(s: dict) -> None:
           f"E2E p50 {s['e2e_ms']['p50'] / 1e3:.1f} s, failed {s['failed']}")
 
 
-def run_offline(model_dir: str, wl: Workload, max_num_seqs: int, device: str) -> dict:
+class Offline:
     """The same requests through the in-process offline engine (with detokenization, as the gateway does)."""
-    from pagedserve import LLM, SamplingParams
 
-    llm = LLM(model_dir, max_num_seqs=max_num_seqs, device=device)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
-    llm.generate([{"prompt_token_ids": p} for p in wl.prompts[:4]], params[:4], use_tqdm=False)  # warm-up
-    t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
-    dt = time.perf_counter() - t
-    assert [len(o.outputs[0].token_ids) for o in outs] == wl.output_lens
-    llm.llm_engine.core.shutdown()
-    del llm, outs
-    gc.collect()
-    return {"seconds": dt, "output_tok_s": wl.num_output_tokens / dt, "request_throughput": len(wl.prompts) / dt}
+    def __init__(self, model_dir: str, max_num_seqs: int, device: str) -> None:
+        from pagedserve import LLM
+
+        self.llm = LLM(model_dir, max_num_seqs=max_num_seqs, device=device)
+
+    def run(self, wl: Workload) -> float:
+        """Output tokens/s."""
+        from pagedserve import SamplingParams
+
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+        t = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        assert [len(o.outputs[0].token_ids) for o in outs] == wl.output_lens
+        return wl.num_output_tokens / dt
 
 
-def run_actor_direct(model_dir: str, wl: Workload, max_num_seqs: int, device: str) -> dict:
-    """The same requests straight into a scheduler actor (this process's own Ray instance) and its output stream,
-    no gateway: it splits the loss between the Ray-hosted engine and the gRPC gateway."""
+def actor_direct_pairs(model_dir: str, wl: Workload, max_num_seqs: int, device: str, offline: Offline,
+                       pairs: int) -> list[dict]:
+    """The requests straight into a scheduler actor (this process's own Ray instance) and its output stream, no
+    gateway, each run followed by the offline engine on the same requests."""
     import ray
 
     from pagedserve import SamplingParams
@@ -144,23 +152,34 @@ def run_actor_direct(model_dir: str, wl: Workload, max_num_seqs: int, device: st
     replicas = launch_replicas(EngineArgs(model=model_dir, max_num_seqs=max_num_seqs, device=device))
     actor = replicas[0].actor
 
-    async def go() -> float:
-        stream = actor.output_stream.options(num_returns="streaming").remote("bench")
+    async def go(w: Workload, k: int) -> float:
+        client = f"bench{k}"
+        stream = actor.output_stream.options(num_returns="streaming").remote(client)
         t = time.perf_counter()
-        await asyncio.gather(*[actor.add_request.remote("bench", str(i), p, SamplingParams(
-            temperature=0, max_tokens=n, ignore_eos=True)) for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens))])
+        await asyncio.gather(*[actor.add_request.remote(client, f"{k}-{i}", p, SamplingParams(
+            temperature=0, max_tokens=n, ignore_eos=True)) for i, (p, n) in enumerate(zip(w.prompts, w.output_lens))])
         finished = 0
         async for ref in stream:
             finished += sum(out.finished for out in await ref)
-            if finished == len(wl.prompts):
-                return time.perf_counter() - t
+            if finished == len(w.prompts):
+                return w.num_output_tokens / (time.perf_counter() - t)
 
+    out = []
     try:
-        dt = asyncio.run(go())
+        for k in range(pairs):
+            w = fresh_tokens(wl, 200 + k)
+            out.append({"actor_direct_output_tok_s": uvloop.run(go(w, k)), "offline_output_tok_s": offline.run(w)})
+            print(f"  pair {k}: scheduler actor {out[-1]['actor_direct_output_tok_s']:.1f}, "
+                  f"offline {out[-1]['offline_output_tok_s']:.1f} out tok/s")
     finally:
         shutdown_replicas(replicas)
         ray.shutdown()
-    return {"seconds": dt, "output_tok_s": wl.num_output_tokens / dt}
+    return out
+
+
+def median_loss(pairs: list[dict], key: str) -> dict:
+    losses = [1 - p[key] / p["offline_output_tok_s"] for p in pairs]
+    return {"median": statistics.median(losses), "min": min(losses), "max": max(losses)}
 
 
 class Server:
@@ -206,6 +225,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--prometheus", action="store_true",
                     help="scrape the gateway with a local Prometheus and render deploy/grafana/dashboard.png")
+    ap.add_argument("--pairs", type=int, default=3, help="side-by-side runs for each overhead ratio")
     ap.add_argument("--out", default="serve", help="results file name (under benchmarks/results/)")
     args = ap.parse_args()
 
@@ -215,17 +235,15 @@ def main() -> None:
     print(f"{args.model}, {len(wl.prompts)} sharegpt-like requests: {wl.num_prompt_tokens} prompt + "
           f"{wl.num_output_tokens} output tokens")
 
-    # The gateway's overhead is gRPC at infinite rate against the offline engine on the same requests: offline runs
-    # before the server starts and after it stops (their mean is the baseline), and a gRPC run with no Prometheus.
-    offline = [run_offline(model_dir, wl, args.max_num_seqs, args.device)]
-    print(f"offline LLM: {offline[0]['output_tok_s']:.1f} out tok/s, {offline[0]['request_throughput']:.2f} req/s")
-
-    direct = run_actor_direct(model_dir, fresh_tokens(wl, 200), args.max_num_seqs, args.device)
-    print(f"scheduler actor without the gateway: {direct['output_tok_s']:.1f} out tok/s")
+    offline = Offline(model_dir, args.max_num_seqs, args.device)
+    offline.run(fresh_tokens(Workload("warmup", wl.prompts[:4], [8] * 4), 1))
+    print(f"scheduler actor over Ray without the gateway vs offline, {args.pairs} pairs:")
+    direct = actor_direct_pairs(model_dir, wl, args.max_num_seqs, args.device, offline, args.pairs)
 
     log = os.path.join(tempfile.gettempdir(), f"{args.out}-server.log")
     server = Server(model_dir, args.max_num_seqs, args.device, log)
     prom = None
+    grpc_pairs = []
     try:
         server.wait_ready()
         if args.prometheus:
@@ -234,11 +252,11 @@ def main() -> None:
             prom = LocalPrometheus([f"127.0.0.1:{server.metrics_port}"], tempfile.mkdtemp(prefix="prom"),
                                    scrape_interval="1s").start()
         warm = fresh_tokens(wl, 10_000)
-        asyncio.run(run_rate(server.target, Workload("warmup", warm.prompts[:4], [8] * 4), math.inf))
+        uvloop.run(run_rate(server.target, Workload("warmup", warm.prompts[:4], [8] * 4), math.inf))
         t_start = time.time()
         runs = []
         for i, rate in enumerate(args.rates):
-            runs.append(summarize(asyncio.run(run_rate(server.target, fresh_tokens(wl, i + 1), rate)), rate))
+            runs.append(summarize(uvloop.run(run_rate(server.target, fresh_tokens(wl, i + 1), rate)), rate))
             report(runs[-1])
         t_end = time.time()
         if prom is not None:
@@ -250,27 +268,31 @@ def main() -> None:
                                        os.path.join(REPO, "deploy", "grafana", "dashboard.png"), rate_window="6s"))
             prom.stop()
             prom = None
-        grpc_inf = summarize(asyncio.run(run_rate(server.target, fresh_tokens(wl, 100), math.inf)), math.inf)
-        print("without Prometheus:", end=" ")
-        report(grpc_inf)
+        print(f"gRPC at infinite rate (no Prometheus) vs offline, {args.pairs} pairs:")
+        for k in range(args.pairs):
+            w = fresh_tokens(wl, 100 + k)
+            res = summarize(uvloop.run(run_rate(server.target, w, math.inf)), math.inf)
+            grpc_pairs.append({"grpc_output_tok_s": res["output_tok_s"], "offline_output_tok_s": offline.run(w),
+                               "grpc_failed": res["failed"]})
+            print(f"  pair {k}: gRPC {res['output_tok_s']:.1f}, offline {grpc_pairs[-1]['offline_output_tok_s']:.1f} "
+                  f"out tok/s")
     finally:
         if prom is not None:
             prom.stop()
         server.stop()
-    offline.append(run_offline(model_dir, wl, args.max_num_seqs, args.device))
-    base = statistics.mean(o["output_tok_s"] for o in offline)
-    overhead = {"offline_output_tok_s": [o["output_tok_s"] for o in offline],
-                "actor_direct_output_tok_s": direct["output_tok_s"], "grpc_output_tok_s": grpc_inf["output_tok_s"],
-                "throughput_loss": 1 - grpc_inf["output_tok_s"] / base,
-                "ray_actor_loss": 1 - direct["output_tok_s"] / base,
-                "gateway_loss": 1 - grpc_inf["output_tok_s"] / direct["output_tok_s"]}
-    print(f"gateway overhead at infinite rate: gRPC {grpc_inf['output_tok_s']:.1f} vs offline "
-          f"{' / '.join(f'{x:.1f}' for x in overhead['offline_output_tok_s'])} out tok/s (before / after the "
-          f"server) = {overhead['throughput_loss']:.1%} loss; of it, the engine in a Ray actor without the gateway "
-          f"{overhead['ray_actor_loss']:.1%}, the gateway and gRPC {overhead['gateway_loss']:.1%}")
+    total, actor = median_loss(grpc_pairs, "grpc_output_tok_s"), median_loss(direct, "actor_direct_output_tok_s")
+    overhead = {"pairs": args.pairs, "grpc_vs_offline": grpc_pairs, "actor_direct_vs_offline": direct,
+                "throughput_loss": total, "ray_actor_loss": actor,
+                # what the gateway and gRPC add on top of the Ray-hosted engine
+                "gateway_loss": 1 - (1 - total["median"]) / (1 - actor["median"])}
+    print(f"gateway overhead at infinite rate: gRPC loses {total['median']:.1%} of the offline engine's output "
+          f"throughput (median of {args.pairs} pairs, {total['min']:.1%} .. {total['max']:.1%}); the engine in a Ray "
+          f"actor without the gateway loses {actor['median']:.1%} ({actor['min']:.1%} .. {actor['max']:.1%}), "
+          f"so the gateway and gRPC add {overhead['gateway_loss']:.1%}")
+    base = statistics.mean(p["offline_output_tok_s"] for p in grpc_pairs + direct)
     results = {"model": args.model, "device": args.device, "requests": len(wl.prompts),
                "prompt_tokens": wl.num_prompt_tokens, "output_tokens": wl.num_output_tokens,
-               "offline": {"output_tok_s": base, "runs": offline}, "runs": [dict(r, rate=str(r["rate"])) for r in runs],
+               "offline": {"output_tok_s": base}, "runs": [dict(r, rate=str(r["rate"])) for r in runs],
                "gateway_overhead": overhead}
     print("saved", save_results(args.out, results))
     plot(results, args.out)

@@ -101,14 +101,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    import asyncio
+    # SIGTERM means drain, not a crash dump; Ray reads this when imported.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    import uvloop
 
     from pagedserve.cluster.serve import ServeOptions, serve
 
-    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")  # SIGTERM means drain, not a crash dump
-
     opts = ServeOptions(**{k: getattr(ns, k) for k in ServeOptions.__dataclass_fields__})
-    asyncio.run(serve(engine_args_from(ns), opts))
+    # uvloop: the gateway's event loop wakes for every streamed token, and each wake costs less CPU than in asyncio's
+    # own loop (CPU the engine shares on small hosts).
+    uvloop.run(serve(engine_args_from(ns), opts))
     return 0
 
 

@@ -106,7 +106,7 @@ class EngineClient:
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams | BeamSearchParams, stream: bool = True,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
-        """Yield the request's outputs (each step's when ``stream``, else the final one). Raises ValueError,
+        """Yield the request's delta outputs (each step's when ``stream``, else the final one). Raises ValueError,
         QueueFullError or EngineUnavailableError; cancelling the iteration aborts the request."""
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -117,7 +117,7 @@ class EngineClient:
         self.load[i] += 1
         finished = False
         try:
-            self.processor.add_request(request_id, prompt, prompt_token_ids, params, stream)
+            self.processor.add_request(request_id, prompt, prompt_token_ids, params, stream, delta=True)
             try:
                 await self.replicas[i].actor.add_request.remote(self.client_id, request_id, prompt_token_ids, params,
                                                                  cache_salt)

@@ -83,6 +83,9 @@ class GatewayMetrics:
                                     m, buckets=TOKEN_BUCKETS, **reg)
         self.generation_len = Histogram("pagedserve_request_generation_tokens", "Output tokens of finished requests.",
                                         m, buckets=TOKEN_BUCKETS, **reg)
+        # Bound once: these two are updated for every streamed chunk.
+        self.itl_child = self.itl.labels(model_name)
+        self.generation_tokens_child = self.generation_tokens.labels(model_name)
 
     def start_http_server(self, port: int, host: str = "0.0.0.0") -> int:
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -116,15 +119,14 @@ class RequestTimer:
         if n == 0:
             return
         now = time.monotonic()
-        name = self.m.model_name
         if self.first is None:
             self.first = now
-            self.m.ttft.labels(name).observe(now - self.start)
+            self.m.ttft.labels(self.m.model_name).observe(now - self.start)
         else:
-            self.m.itl.labels(name).observe(now - self.last)
+            self.m.itl_child.observe(now - self.last)
         self.last = now
         self.num_tokens += n
-        self.m.generation_tokens.labels(name).inc(n)
+        self.m.generation_tokens_child.inc(n)
 
     def finished(self, reason: str) -> None:
         name = self.m.model_name

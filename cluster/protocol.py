@@ -107,22 +107,16 @@ def _token_logprobs(token: int, entry: dict[int, Logprob], k: int) -> pb.TokenLo
 
 
 @dataclass
-class _Sent:
-    chars: int = 0
-    tokens: int = 0
-    done: bool = False
-
-
-@dataclass
 class ResponseBuilder:
-    """Turns the cumulative ``RequestOutput``s of one request into delta responses."""
+    """Turns the delta ``RequestOutput``s of one request (``OutputProcessor`` with ``delta=True``) into responses."""
 
     request_id: str
     prompt_len: int
     logprobs: int = 0  # the requested top-k, for splitting logprob dicts
     prompt_logprobs: int = 0
-    sent: dict[int, _Sent] = field(default_factory=dict)
-    prompt_logprobs_sent: bool = False
+    num_prompt_logprobs_sent: int = 0  # entries sent so far; the first prompt token's (None) is skipped
+    num_completion_tokens: int = 0
+    done: set[int] = field(default_factory=set)  # completions whose finish reason went out
 
     def build(self, out: RequestOutput | BeamSearchOutput) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=self.request_id, finished=out.finished)
@@ -130,25 +124,25 @@ class ResponseBuilder:
             return self._beams(resp, out)
         for c in out.outputs:
             self._completion(resp, c)
-        if out.prompt_logprobs is not None and not self.prompt_logprobs_sent:
-            self.prompt_logprobs_sent = True
-            for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
-                resp.prompt_logprobs.append(_token_logprobs(token, entry, self.prompt_logprobs))
+        if out.prompt_logprobs:  # chunked prefill hands them out a chunk at a time
+            first = self.num_prompt_logprobs_sent
+            for i, entry in enumerate(out.prompt_logprobs, first):
+                if i:
+                    resp.prompt_logprobs.append(_token_logprobs(out.prompt_token_ids[i], entry, self.prompt_logprobs))
+            self.num_prompt_logprobs_sent += len(out.prompt_logprobs)
         if out.finished:
             resp.usage.prompt_tokens = len(out.prompt_token_ids)
-            resp.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+            resp.usage.completion_tokens = self.num_completion_tokens
             resp.usage.cached_prompt_tokens = out.num_cached_tokens
         return resp
 
     def _completion(self, resp: pb.GenerateResponse, c: CompletionOutput) -> None:
-        s = self.sent.setdefault(c.index, _Sent())
-        new_text, new_tokens = c.text[s.chars:], c.token_ids[s.tokens:]
-        if s.done or (not new_text and not new_tokens and c.finish_reason is None):
+        if c.index in self.done or (not c.text and not c.token_ids and c.finish_reason is None):
             return
-        d = resp.completions.add(index=c.index, text=new_text, token_ids=new_tokens,
+        d = resp.completions.add(index=c.index, text=c.text, token_ids=c.token_ids,
                                  finish_reason=_FINISH[c.finish_reason])
         if c.logprobs is not None:
-            for token, entry in zip(new_tokens, c.logprobs[s.tokens:]):
+            for token, entry in zip(c.token_ids, c.logprobs):
                 d.logprobs.append(_token_logprobs(token, entry, self.logprobs))
         if isinstance(c.stop_reason, int):
             d.stop_token_id = c.stop_reason
@@ -156,7 +150,9 @@ class ResponseBuilder:
             d.stop_string = c.stop_reason
         if c.cumulative_logprob is not None:
             d.cumulative_logprob = c.cumulative_logprob
-        s.chars, s.tokens, s.done = len(c.text), len(c.token_ids), c.finish_reason is not None
+        self.num_completion_tokens += len(c.token_ids)
+        if c.finish_reason is not None:
+            self.done.add(c.index)
 
     def _beams(self, resp: pb.GenerateResponse, out: BeamSearchOutput) -> pb.GenerateResponse:
         for i, b in enumerate(out.sequences):

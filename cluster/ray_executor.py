@@ -24,10 +24,16 @@ class WorkerFailedError(RuntimeError):
 
 
 def ensure_ray(address: str | None = None) -> None:
-    """Join ``address`` (or RAY_ADDRESS) if given, else start a local Ray instance."""
+    """Join ``address`` (or RAY_ADDRESS) if given, else start a private local Ray instance.
+
+    A private instance runs without Ray's dashboard: its ten or so processes take ~1 GB and CPU that, on a small
+    host, the engine would miss, and nobody else can reach that instance anyway. For the dashboard or job
+    submission, start Ray yourself (``ray start --head``) and pass its address.
+    """
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True,
-                 log_to_driver=False)
+        address = address or os.environ.get("RAY_ADDRESS")
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
+                 **({} if address else {"include_dashboard": False}))
 
 
 def rank_cpus(num_ranks: int, gpu: bool, reserved: float = 0.0) -> float:

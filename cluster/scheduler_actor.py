@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import ray
 
@@ -21,6 +23,7 @@ from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 logger = logging.getLogger(__name__)
 
 WARMUP_ID = "__warmup__"
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
@@ -28,24 +31,29 @@ class QueueFullError(RuntimeError):
 
 
 class SchedulerActor:
+    """Everything that touches the engine core runs on one thread, in order: steps back to back, and the adds,
+    aborts and stats reads that arrive meanwhile in between two steps. The event loop only routes outputs.
+
+    One thread because libgomp gives each thread that starts parallel work its own OpenMP team, and once the teams
+    outnumber the cores it stops spinning between parallel regions: built on one thread and stepped on another, the
+    engine lost 15.6% against the offline one here (5000 context switches/s), on one thread 7.6% (474/s). Steps back
+    to back because a round trip through the event loop between two steps idled the engine for every dispatch.
+    """
+
     def __init__(self, engine_args: EngineArgs, max_waiting_requests: int | None = None,
                  num_threads: int | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        # The engine lives on one thread: it is built there and every step runs there. libgomp gives each thread
-        # that starts parallel work its own OpenMP team, and once the teams outnumber the cores it stops spinning
-        # between parallel regions. Built on one thread and stepped on another, the engine lost 15.6% against the
-        # offline one here (5000 context switches/s); on one thread it loses 7.6% (474/s).
-        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         placement_group = ray.util.get_current_placement_group()  # read on the actor's thread (task context)
-        self.core = self._step_thread.submit(self._build_core, engine_args, num_threads, placement_group).result()
+        self.core = self._engine_thread.submit(self._build_core, engine_args, num_threads, placement_group).result()
         self.metrics = SchedulerMetrics(self.core)
         self.max_waiting_requests = max_waiting_requests
         self.num_requests = 0
-        self._owner: dict[str, str] = {}  # request id -> gateway (client) id
+        self._owner: dict[str, str] = {}  # request id -> gateway (client) id; event loop only
         self._queues: dict[str, asyncio.Queue] = {}
-        self._lock = asyncio.Lock()  # held while a step runs; adds and aborts go in between steps
-        self._work = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stepping = False  # a step is queued on the engine thread; engine thread only
+        self._stopped = False
 
     @staticmethod
     def _build_core(engine_args: EngineArgs, num_threads: int | None, placement_group) -> EngineCore:
@@ -63,38 +71,80 @@ class SchedulerActor:
                 return RayExecutor(cfg, placement_group=placement_group, first_bundle=1)
         return EngineCore(config, executor_cls)
 
+    # ---- the engine thread -------------------------------------------------------------------------------------
+    async def _on_engine(self, fn: Callable[..., T], *args) -> T:
+        """Run ``fn`` on the engine thread, after the step in progress (if any)."""
+        self._loop = asyncio.get_running_loop()
+        return await self._loop.run_in_executor(self._engine_thread, fn, *args)
+
+    def _kick(self) -> None:
+        if not self._stepping and not self._stopped:
+            self._stepping = True
+            self._engine_thread.submit(self._step)
+
+    def _step(self) -> None:
+        """One step, then queue the next behind whatever arrived meanwhile (the executor runs in order)."""
+        if self._stopped or not self.core.has_unfinished_requests():
+            self._stepping = False
+            return
+        try:
+            outputs = self.core.step()
+            self.metrics.on_step(outputs, self.core.last_step)
+        except Exception as e:  # a bug, not a worker death (the core recovers from those)
+            logger.exception("engine step failed; failing the running requests")
+            outputs = [make_core_output(u, f"engine step failed: {e}") for u in self.core.scheduler.fail_all()]
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        self._engine_thread.submit(self._step)
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams,
+             cache_salt: str | None) -> None:
+        if self.max_waiting_requests is not None and len(self.core.scheduler.waiting) >= self.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
+        self.metrics.track(self.core.add_request(request_id, prompt_token_ids, params, cache_salt))
+        self._kick()
+
+    def _abort(self, request_ids: list[str]) -> list[str]:
+        found = [rid for rid in request_ids if self.core.abort_request(rid) is not None]
+        self.metrics.reap()
+        return found
+
+    def _stop_sequence(self, request_id: str, index: int) -> None:
+        self.core.stop_sequence(request_id, index)
+        self.metrics.reap()
+
+    def _warmup(self) -> None:
+        if self.core.has_unfinished_requests():  # serving already (a gateway checking a restarted replica)
+            return
+        eos = self.core.config.model_config.eos_token_ids
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        self.core.add_request(WARMUP_ID, [eos[0] if eos else 0], params)
+        while self.core.has_unfinished_requests():
+            self.core.step()
+
+    # ---- the event loop ----------------------------------------------------------------------------------------
     def _queue(self, client_id: str) -> asyncio.Queue:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
         return self._queues.setdefault(client_id, asyncio.Queue())
 
     async def add_request(self, client_id: str, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams | BeamSearchParams, cache_salt: str | None = None) -> None:
         self._queue(client_id)
-        if self.max_waiting_requests is not None and len(self.core.scheduler.waiting) >= self.max_waiting_requests:
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
-        async with self._lock:
-            req = self.core.add_request(request_id, prompt_token_ids, params, cache_salt)
-            self._owner[request_id] = client_id
-            self.metrics.track(req)
+        self._owner[request_id] = client_id
+        try:
+            await self._on_engine(self._add, request_id, prompt_token_ids, params, cache_salt)
+        except BaseException:
+            self._owner.pop(request_id, None)
+            raise
         self.num_requests += 1
-        self._work.set()
 
     async def abort(self, request_ids: list[str]) -> list[str]:
         """Abort requests; returns those that were running. Their blocks are free once this returns."""
-        found = []
-        async with self._lock:
-            for rid in request_ids:
-                self._owner.pop(rid, None)
-                if self.core.abort_request(rid) is not None:
-                    found.append(rid)
-        self.metrics.reap()
-        return found
+        for rid in request_ids:
+            self._owner.pop(rid, None)
+        return await self._on_engine(self._abort, request_ids)
 
     async def stop_sequence(self, request_id: str, index: int) -> None:
-        async with self._lock:
-            self.core.stop_sequence(request_id, index)
-        self.metrics.reap()
+        await self._on_engine(self._stop_sequence, request_id, index)
 
     async def output_stream(self, client_id: str):
         """Yields lists of ``EngineCoreOutput`` for this client's requests, a list per step (or more if it lags)."""
@@ -111,24 +161,6 @@ class SchedulerActor:
             if stale:
                 await self.abort(stale)
 
-    async def _loop(self) -> None:
-        while True:
-            await self._work.wait()
-            async with self._lock:
-                if not self.core.has_unfinished_requests():
-                    self._work.clear()
-                    continue
-                try:
-                    outputs = await self._run_step()
-                    self.metrics.on_step(outputs, self.core.last_step)
-                except Exception as e:  # a bug, not a worker death (the core recovers from those)
-                    logger.exception("engine step failed; failing the running requests")
-                    outputs = [make_core_output(u, f"engine step failed: {e}") for u in self.core.scheduler.fail_all()]
-            self._dispatch(outputs)
-
-    def _run_step(self) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self._step_thread, self.core.step)
-
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         batches: dict[str, list[EngineCoreOutput]] = {}
         for out in outputs:
@@ -140,12 +172,7 @@ class SchedulerActor:
 
     async def warmup(self) -> None:
         """Run one tiny request through the whole path (the health check turns SERVING after this)."""
-        eos = self.core.config.model_config.eos_token_ids
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        async with self._lock:
-            self.core.add_request(WARMUP_ID, [eos[0] if eos else 0], params)
-            while self.core.has_unfinished_requests():
-                await self._run_step()
+        await self._on_engine(self._warmup)
 
     def get_info(self) -> dict:
         cfg = self.core.config
@@ -157,12 +184,12 @@ class SchedulerActor:
                 "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
                 "enable_prefix_caching": cfg.cache_config.enable_prefix_caching}
 
-    def get_stats(self) -> dict:
-        return {**self.core.get_stats(), "num_requests": self.num_requests}
+    async def get_stats(self) -> dict:
+        return {**await self._on_engine(self.core.get_stats), "num_requests": self.num_requests}
 
-    def get_metrics(self) -> list:
+    async def get_metrics(self) -> list:
         """Prometheus metric families measured here (the gateway's /metrics serves them)."""
-        return self.metrics.collect()
+        return await self._on_engine(self.metrics.collect)
 
     def get_node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -175,5 +202,9 @@ class SchedulerActor:
         workers = getattr(self.core.executor, "workers", None) or []
         return ray.get([w.pid.remote() for w in workers])
 
-    def shutdown(self) -> None:
-        self.core.shutdown()
+    async def shutdown(self) -> None:
+        def stop() -> None:
+            self._stopped = True
+            self.core.shutdown()
+
+        await self._on_engine(stop)

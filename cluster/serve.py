@@ -15,6 +15,7 @@ from pagedserve.cluster.gateway import Gateway, ModelInfo
 from pagedserve.cluster.metrics import GatewayMetrics
 from pagedserve.cluster.replicas import launch_replicas, shutdown_replicas
 from pagedserve.config import EngineArgs
+from pagedserve.engine.gc_heap import freeze_gc_heap
 from pagedserve.engine.llm_engine import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
         info = await replicas[0].actor.get_info.remote()
         engine = EngineClient(replicas, tokenizer, info["tensor_parallel_size"])
         engine.start()
+        freeze_gc_heap()
         await gateway.set_ready(engine, ModelInfo(name, info, len(replicas)))
         logger.info("ready: serving %s on %s:%d (%d replica(s), tensor_parallel_size=%d, %d KV blocks each)",
                     name, opts.host, gateway.port, len(replicas), info["tensor_parallel_size"], info["num_kv_blocks"])

@@ -5,6 +5,7 @@ import asyncio
 import socket
 import threading
 
+import uvloop
 
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.serve import ServeOptions, serve
@@ -25,7 +26,7 @@ class ServerThread:
         self.target = f"127.0.0.1:{self.opts.port}"
         self.args = args
         self.health_seen: list[str] = []  # distinct health states, in the order first seen
-        self._loop = asyncio.new_event_loop()
+        self._loop = uvloop.new_event_loop()  # as `pagedserve serve` runs
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
         self.gateway = None  # the running Gateway, once SERVING

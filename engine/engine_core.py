@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_output import EngineCoreOutput, make_core_output
+from pagedserve.engine.gc_heap import freeze_gc_heap
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler.request import Request, Sequence
 from pagedserve.scheduler.scheduler import Scheduler
@@ -65,6 +66,7 @@ class EngineCore:
         self._rng = random.Random(config.seed)
         self.last_step: StepStats | None = None
         self.num_worker_restarts = 0
+        freeze_gc_heap()
 
     def prepare_params(self, params: SamplingParams | None) -> SamplingParams:
         """A checked copy with the model's EOS ids as stop tokens (unless ignore_eos)."""

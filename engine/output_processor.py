@@ -21,6 +21,7 @@ class _Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detok: IncrementalDetokenizer | None = None
+    num_sent_tokens: int = 0  # delta outputs: tokens (and their logprobs) already handed out
 
 
 @dataclass
@@ -36,6 +37,7 @@ class _RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     beams: list | None = None
+    delta: bool = False  # outputs carry only what is new since the previous one
 
     @property
     def is_beam(self) -> bool:
@@ -52,7 +54,10 @@ class OutputProcessor:
         self.states: dict[str, _RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams | BeamSearchParams, stream: bool = False) -> None:
+                    params: SamplingParams | BeamSearchParams, stream: bool = False, delta: bool = False) -> None:
+        """``stream``: an output every step, else only the final one. ``delta``: each output holds only the text,
+        tokens, logprobs and prompt logprobs that are new since the previous one (vLLM's ``RequestOutputKind.DELTA``;
+        the gateway streams this way), else everything so far. Its prompt_token_ids is then the caller's list."""
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already running")
         if isinstance(params, BeamSearchParams):
@@ -67,7 +72,7 @@ class OutputProcessor:
                        for i in range(params.best_of)]
         self.states[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, stream, completions,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None, delta=delta)
 
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -152,21 +157,29 @@ class OutputProcessor:
             completions = completions[:n]
         outs = []
         for c in completions:
+            start = c.num_sent_tokens if st.delta else 0
             if c.detok is not None:
                 if c.finish_reason is not None and c.detok.stop_reason is None:
                     c.detok.flush()
+                sent = c.detok.num_sent_chars
                 c.detok.take_delta(c.finish_reason is not None)
-                text = c.detok.text[: c.detok.num_sent_chars]
+                text = c.detok.text[sent if st.delta else 0: c.detok.num_sent_chars]
             elif self.tokenizer is None:
                 text = ""
             else:
                 text = self.tokenizer.decode(c.token_ids, skip_special_tokens=params.skip_special_tokens,
                                              spaces_between_special_tokens=params.spaces_between_special_tokens)
             cum = c.cumulative_logprob if params.logprobs is not None or best_of > n else None
-            outs.append(CompletionOutput(len(outs) if best_of > n else c.index, text, list(c.token_ids), cum,
-                                         c.logprobs, c.finish_reason, c.stop_reason))
+            logprobs = c.logprobs[start:] if st.delta and c.logprobs is not None else c.logprobs
+            outs.append(CompletionOutput(len(outs) if best_of > n else c.index, text, c.token_ids[start:], cum,
+                                         logprobs, c.finish_reason, c.stop_reason))
+            c.num_sent_tokens = len(c.token_ids)
+        prompt_logprobs = st.prompt_logprobs
+        if st.delta and prompt_logprobs is not None:
+            st.prompt_logprobs = []  # these go out now; later prefill chunks collect anew
         now = time.monotonic()
         metrics = {"arrival_time": st.arrival_time, "finished_time": now if finished else 0.0,
                    "time_to_first_token": (st.first_token_time or now) - st.arrival_time}
-        return RequestOutput(st.request_id, st.prompt, list(st.prompt_token_ids), st.prompt_logprobs, outs, finished,
+        prompt_ids = st.prompt_token_ids if st.delta else list(st.prompt_token_ids)
+        return RequestOutput(st.request_id, st.prompt, prompt_ids, prompt_logprobs, outs, finished,
                              st.num_cached_tokens, metrics)

@@ -1,10 +1,12 @@
 """Streaming text never contains broken UTF-8, and equals a one-shot decode at the end."""
 from __future__ import annotations
 
+import random
+
 from transformers import AutoTokenizer
 
 from pagedserve import EngineArgs, LLMEngine, SamplingParams
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, rust_backend
 
 TEXT = "café naïve — “quotes” 🚀🔥 中文字符 ümlauts end"
 
@@ -25,6 +27,19 @@ def test_incremental_deltas_are_clean(tokenizer_dir):
     deltas.append(det.take_delta(finished=True))
     assert "".join(deltas) == TEXT == tok.decode(ids)
     assert sum(1 for d in deltas if d) > 10
+
+
+def test_rust_backend_decodes_as_the_tokenizer(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    backend = rust_backend(tok)
+    assert backend is not None, "a fast tokenizer without clean-up should take the direct path"
+    rng = random.Random(0)
+    for _ in range(200):  # random ids, special tokens included: broken UTF-8 and skipped specials decode alike
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert backend.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    tok.clean_up_tokenization_spaces = True  # transformers post-processes then: keep its decode
+    assert rust_backend(tok) is None
 
 
 def test_stop_string_is_never_streamed_partially(tokenizer_dir):

@@ -101,6 +101,27 @@ def test_beam_search_equals_offline(server, offline):
     assert all(abs(c.beam_score - s.score) < 1e-5 for c, s in zip(got.completions, exp.sequences))
 
 
+def test_chunked_prefill_streams_every_prompt_logprob(ray_cluster, llama_dir, offline):
+    """A prompt prefilled in 16-token chunks gets its prompt logprobs over several responses, all of them."""
+    prompt = random_prompts(1, seed=7, min_len=60, max_len=60)[0]
+    srv = ServerThread(EngineArgs(model=llama_dir, seed=0, max_num_batched_tokens=16)).start()
+    try:
+        with srv.client() as c:
+            responses = list(c.stream(prompt, temperature=0.0, max_tokens=4, prompt_logprobs=2))
+    finally:
+        srv.stop()
+    exp = offline.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                          prompt_logprobs=2), use_tqdm=False)[0]
+    got = [lp for r in responses for lp in r.prompt_logprobs]
+    assert sum(1 for r in responses if r.prompt_logprobs) > 1
+    assert [g.token_id for g in got] == prompt[1:]
+    for g, e, tok in zip(got, exp.prompt_logprobs[1:], prompt[1:]):
+        assert abs(g.logprob - e[tok].logprob) < 1e-5 and g.rank == e[tok].rank
+        assert [t.token_id for t in g.top_logprobs] == [
+            t for t, lp in sorted(e.items(), key=lambda x: x[1].rank) if lp.rank <= 2]
+    assert [t for r in responses for c in r.completions for t in c.token_ids] == exp.outputs[0].token_ids
+
+
 def _wait_idle(client, timeout: float = 20.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

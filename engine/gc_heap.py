@@ -1,0 +1,21 @@
+"""Keep Python's cyclic garbage collector off a long-running process's startup heap."""
+from __future__ import annotations
+
+import atexit
+import gc
+
+
+def freeze_gc_heap() -> None:
+    """Move every object alive now (imports, model, tokenizer: ~200k objects) into the permanent generation.
+
+    The collector then only walks what serving allocates. Without this, each full collection re-walked the whole
+    startup heap (~100 ms here) and the gateway spent 11% of its CPU in ``gc_collect_main``, time taken from the
+    engine on a machine where they share cores. The engine core calls this once built, the gateway once ready.
+    """
+    gc.collect()
+    gc.freeze()
+    if not getattr(freeze_gc_heap, "registered", False):
+        # Frozen cycles are never collected, not even at exit, where extension modules (Triton's nanobind) would
+        # then report them as leaks.
+        atexit.register(gc.unfreeze)
+        freeze_gc_heap.registered = True
