@@ -4,6 +4,10 @@ from __future__ import annotations
 import atexit
 import gc
 
+# Frozen cycles are never collected, not even at exit, where extension modules (Triton's nanobind) would then
+# report them as leaks.
+atexit.register(gc.unfreeze)
+
 
 def freeze_gc_heap() -> None:
     """Move every object alive now (imports, model, tokenizer: ~200k objects) into the permanent generation.
@@ -14,8 +18,3 @@ def freeze_gc_heap() -> None:
     """
     gc.collect()
     gc.freeze()
-    if not getattr(freeze_gc_heap, "registered", False):
-        # Frozen cycles are never collected, not even at exit, where extension modules (Triton's nanobind) would
-        # then report them as leaks.
-        atexit.register(gc.unfreeze)
-        freeze_gc_heap.registered = True
