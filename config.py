@@ -1,12 +1,13 @@
-"""Engine configuration: what the user asks for (``EngineArgs``) and what it resolves to."""
+"""Resolved engine configuration (``EngineArgs.create_engine_config`` makes it; every layer reads it)."""
 from __future__ import annotations
 
 import glob
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
+from transformers import AutoConfig, GenerationConfig
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
@@ -44,9 +45,7 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
     @classmethod
-    def from_dir(cls, model: str, dtype: str, max_model_len: int | None, device: torch.device) -> "ModelConfig":
-        from transformers import AutoConfig, GenerationConfig
-
+    def from_dir(cls, model: str, dtype: str, max_model_len: int | None, device: torch.device) -> ModelConfig:
         if not os.path.isdir(model):
             raise ValueError(f"model directory {model!r} does not exist")
         if not os.path.isfile(os.path.join(model, "config.json")):
@@ -55,9 +54,6 @@ class ModelConfig:
         if not files or not all(os.path.isfile(f) for f in files):
             raise ValueError(f"model directory {model!r} has no *.safetensors weights")
         hf_config = AutoConfig.from_pretrained(model)
-        from pagedserve.worker.models.registry import check_architecture
-
-        check_architecture(hf_config)
         torch_dtype = _resolve_dtype(dtype, hf_config, device)
         derived = _derive_max_model_len(hf_config)
         if max_model_len is None:
@@ -97,33 +93,34 @@ def _derive_max_model_len(hf_config) -> int:
     return min(limits) if limits else 2048
 
 
+# The defaults of everything a user sets live in ``EngineArgs`` alone.
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes for the KV pool (CPU, or to override profiling)
-    num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    swap_space: float = 4.0  # GiB of CPU blocks per worker for swap preemption
-    enable_block_sharing: bool = True  # False: forks copy all blocks (the no-sharing baseline)
-    num_blocks: int = 0  # resolved by the workers
+    block_size: int
+    kv_cache_memory: int | None  # bytes for the KV pool (CPU, or to override profiling)
+    num_gpu_blocks_override: int | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    swap_space: float  # GiB of CPU blocks per worker for swap preemption
+    enable_block_sharing: bool  # False: forks copy all blocks (the no-sharing baseline)
+    num_blocks: int = 0  # resolved from the workers' memory
     num_cpu_blocks: int = 0
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    preemption_mode: str | None = None  # None: swap for multi-sequence requests, else recompute
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    preemption_mode: str | None  # None: swap for multi-sequence requests, else recompute
 
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    ray_address: str | None = None
+    tensor_parallel_size: int
+    distributed_executor_backend: str  # "ray" (TP worker actors) or "uni" (in process)
+    ray_address: str | None
 
 
 def check_tensor_parallel(hf_config, tp: int) -> None:
@@ -150,84 +147,3 @@ class EngineConfig:
     seed: int
     attention_backend: str
 
-
-@dataclass
-class EngineArgs:
-    """Flat, user-facing options (vLLM's names) that resolve into an :class:`EngineConfig`."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    skip_tokenizer_init: bool = False  # token ids in, token ids out (no text)
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    kv_cache_memory: int | None = None
-    num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    preemption_mode: str | None = None
-    swap_space: float = 4.0
-    enable_block_sharing: bool = True
-    attention_backend: str | None = None
-    distributed_executor_backend: str | None = None  # "ray" (default when tensor_parallel_size > 1)
-    ray_address: str | None = None
-    extra: dict = field(default_factory=dict)
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)} - {"extra"}
-
-    def create_engine_config(self) -> EngineConfig:
-        from pagedserve.kernels import BACKENDS, default_backend
-
-        if self.extra:
-            raise ValueError(f"unknown engine arguments: {sorted(self.extra)}")
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = self.model or default_model_dir()
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.preemption_mode not in (None, "recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        backend = self.attention_backend or default_backend(device)
-        if backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-        if self.distributed_executor_backend not in (None, "ray", "uni"):
-            raise ValueError(f"distributed_executor_backend must be 'ray' or 'uni', got {self.distributed_executor_backend!r}")
-        model_config = ModelConfig.from_dir(model, self.dtype, self.max_model_len, torch.device(device))
-        check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
-        max_len = model_config.max_model_len
-        batched = self.max_num_batched_tokens
-        if batched is None:
-            batched = 2048 if self.enable_chunked_prefill else max(2048, max_len)
-        if not self.enable_chunked_prefill and batched < max_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({batched}) must be at least max_model_len ({max_len}) "
-                "when chunked prefill is disabled")
-        if batched < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {batched}")
-        return EngineConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(
-                block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space,
-                enable_block_sharing=self.enable_block_sharing),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_len,
-                enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode),
-            parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
-                                           self.ray_address),
-            device=device, seed=self.seed, attention_backend=backend)

@@ -1,4 +1,5 @@
-"""Request outputs, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``."""
+"""What the engine hands out: token ids per step from the engine core (``EngineCoreOutput``), and the request
+outputs made from them, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -56,3 +57,27 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # best first
     request_id: str = ""
     finished: bool = True
+
+
+# (sampled logprob, top token ids, top logprobs, rank of the sampled token)
+TokenLogprobs = tuple[float, list[int], list[float], int]
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's step from the engine core: token ids only, small and picklable. The offline ``LLMEngine``
+    consumes these in-process; the Ray engine-core actor streams them to the gateway, which makes text of them
+    the same way (``OutputProcessor``)."""
+
+    request_id: str
+    new_token_ids: dict[int, list[int]] = field(default_factory=dict)  # completion index -> tokens
+    new_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # After this step, for each completion that got tokens or finished (ranks best_of completions).
+    cumulative_logprobs: dict[int, float] = field(default_factory=dict)
+    prompt_logprobs: list | None = None
+    finish_reasons: dict[int, tuple[str, int | str | None]] = field(default_factory=dict)  # -> (reason, stop_reason)
+    finished: bool = False
+    num_cached_tokens: int = 0
+    # Beam search, once finished: (prompt + generated ids, cumulative logprob, score, finish reason), best first.
+    beams: list[tuple[list[int], float, float, str | None]] | None = None
+    error: str | None = None

@@ -33,10 +33,10 @@ import numpy as np
 import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REFERENCE_MODELS, RESULTS, Workload, make_workload, reference_model, save_results  # noqa: E402
+from common import REFERENCE_MODELS, RESULTS, Workload, make_workload, reference_model, save_results
 
-from pagedserve.cluster.client import AsyncClient, Client  # noqa: E402
-from pagedserve.cluster.server_thread import free_port  # noqa: E402
+from pagedserve.cluster.client import AsyncClient, Client
+from pagedserve.tests.server_thread import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,8 +145,8 @@ def actor_direct_pairs(model_dir: str, wl: Workload, max_num_seqs: int, device: 
     import ray
 
     from pagedserve import SamplingParams
-    from pagedserve.cluster.replicas import launch_replicas, shutdown_replicas
-    from pagedserve.config import EngineArgs
+    from pagedserve.cluster.runtime.replicas import launch_replicas, shutdown_replicas
+    from pagedserve.engine.arg_utils import EngineArgs
 
     ray.init(log_to_driver=False, include_dashboard=False)
     replicas = launch_replicas(EngineArgs(model=model_dir, max_num_seqs=max_num_seqs, device=device))
@@ -247,7 +247,7 @@ def main() -> None:
     try:
         server.wait_ready()
         if args.prometheus:
-            from pagedserve.deploy.promql import LocalPrometheus
+            from pagedserve.tests.promql import LocalPrometheus
 
             prom = LocalPrometheus([f"127.0.0.1:{server.metrics_port}"], tempfile.mkdtemp(prefix="prom"),
                                    scrape_interval="1s").start()

@@ -14,9 +14,9 @@ import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import REFERENCE_MODELS, make_workload, reference_model, save_results  # noqa: E402
+from common import REFERENCE_MODELS, make_workload, reference_model, save_results
 
-from pagedserve import LLM, BeamSearchParams, EngineArgs, LLMEngine, SamplingParams  # noqa: E402
+from pagedserve import LLM, BeamSearchParams, EngineArgs, LLMEngine, SamplingParams
 
 SEEDS = {"parallel": "6-30%", "beam": "37-66%", "throughput": "up to 2.2x"}
 
@@ -145,7 +145,6 @@ def plot(results: dict) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from common import RESULTS
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

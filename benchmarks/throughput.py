@@ -18,10 +18,18 @@ import time
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import (REFERENCE_MODELS, Workload, make_workload, matmul_peak_flops, model_flops_per_token,  # noqa: E402
-                    num_params, reference_model, save_results)
+from common import (
+    REFERENCE_MODELS,
+    Workload,
+    make_workload,
+    matmul_peak_flops,
+    model_flops_per_token,
+    num_params,
+    reference_model,
+    save_results,
+)
 
-from pagedserve import LLM, EngineArgs, LLMEngine, SamplingParams  # noqa: E402
+from pagedserve import LLM, EngineArgs, LLMEngine, SamplingParams
 
 
 def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int, device: str = "cpu", block_size: int = 16) -> dict:

@@ -16,13 +16,13 @@ import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import make_workload, reference_model, save_results  # noqa: E402
+import ray
+from common import make_workload, reference_model, save_results
 
-import ray  # noqa: E402
-
-from pagedserve import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
-from pagedserve.cluster.ray_executor import RayExecutor, ensure_ray  # noqa: E402
-from pagedserve.scheduler.output import CachedSeqData, SchedulerOutput  # noqa: E402
+from pagedserve import EngineArgs, LLMEngine, SamplingParams
+from pagedserve.engine.executor.ray_executor import RayExecutor
+from pagedserve.engine.executor.ray_utils import ensure_ray
+from pagedserve.scheduler.output import CachedSeqData, SchedulerOutput
 
 
 @ray.remote(num_cpus=0.5)

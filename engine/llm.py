@@ -5,8 +5,9 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from pagedserve.config import EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.input_processor import PromptType
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -45,15 +46,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        engine = self.llm_engine
-        # Validate everything first, so a bad prompt leaves nothing half-queued.
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                engine.validate(p, sp)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
-        return self._run(ids, use_tqdm)
+        return self._run(self._add_all(prompts, params), use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -61,13 +54,18 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        for i, p in enumerate(prompts):
+        return self._run(self._add_all(prompts, [params] * len(prompts)), use_tqdm)
+
+    def _add_all(self, prompts: list[PromptType], params: list) -> list[str]:
+        """Process every request first, so a bad one leaves nothing half-queued; then queue them all."""
+        engine = self.llm_engine
+        processed = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                self.llm_engine.validate(p, params)
+                processed.append(engine.process_request(None, p, sp))
             except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.llm_engine.add_request(None, p, params) for p in prompts]
-        return self._run(ids, use_tqdm)
+                raise type(e)(f"prompt {i}: {e}") from None
+        return [engine.add_processed_request(text, req) for text, req in processed]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
         engine = self.llm_engine

@@ -6,9 +6,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.engine.core_output import EngineCoreOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+from pagedserve.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    RequestOutput,
+)
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from pagedserve.kernels import cpu_attention
+
 BACKENDS = {
     "torch": "pagedserve.kernels.torch_ref",
     "triton": "pagedserve.kernels.triton_ops",
@@ -23,8 +25,6 @@ def get_backend(name: str) -> ModuleType:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; choose one of {sorted(BACKENDS)}")
     if name == "cpu":
-        from pagedserve.kernels import cpu_attention
-
         if cpu_attention.load() is None:  # no compiler here: same semantics, pure torch
             name = "torch"
     return importlib.import_module(BACKENDS[name])

@@ -59,7 +59,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query row per sequence. Rows with the same number of blocks attend as one padded batch,
     so padding stays under one block per row while Python work is per group, not per sequence."""
-    n, hq, d = q.shape
+    _, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     num_blocks = (seq_lens + bs - 1) // bs

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import triton
@@ -254,7 +254,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -329,7 +329,7 @@ def paged_attention(
     """Launch for checked arguments (see ``triton_ops.paged_attention``). ``config`` overrides the
     heuristic (tests use it to reach every tiling and the split path on tiny shapes); ``stats``
     is ``batch_stats(...)`` when the caller already knows it, saving the device-to-host sync."""
-    num_tokens_alloc, num_q_heads, head_size = query.shape
+    _, num_q_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     gqa = num_q_heads // num_kv_heads

@@ -93,7 +93,8 @@ class BeamSearcher:
         best_len = (st.max_length - len(req.prompt_token_ids)
                     if bp.early_stopping == "never" and bp.length_penalty > 0 else gen_len)
         worst_finished = st.finished[-1].score if len(st.finished) == width else float(_NEG)
-        st.improvable = st.improvable and float(best_running / np.float32(best_len ** bp.length_penalty)) > worst_finished
+        best_possible = float(best_running / np.float32(best_len ** bp.length_penalty))
+        st.improvable = st.improvable and best_possible > worst_finished
         if (not st.improvable or all(hits) or (len(st.finished) == width and bp.early_stopping is True)):
             self._finish(req)
             return

@@ -33,7 +33,7 @@ def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], salt: str |
 @dataclass(eq=False)
 class CachedBlockInfo:
     block_hash: BlockHash
-    parent: "CachedBlockInfo | None"  # the entry this block's KV was computed after
+    parent: CachedBlockInfo | None  # the entry this block's KV was computed after
     token_ids: tuple[int, ...]
 
 
@@ -107,12 +107,17 @@ class BlockPool:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 watermark: float = 0.01, share_blocks: bool = True) -> None:
+    """The device pool (with the prefix cache) and the CPU swap pool, and every sequence's block table in them.
+    What the workers already hold of a table is the scheduler's business, not this class's."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, num_cpu_blocks: int = 0,
+                 share_blocks: bool = True, watermark: float = 0.01) -> None:
         self.block_size = block_size
         # share_blocks=False is the no-sharing baseline: a forked sequence copies every shared block.
         self.share_blocks = share_blocks
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks)
+        self._swapped: set[int] = set()  # sequences whose block table points into the CPU pool
         # New requests are admitted only while this many blocks stay free, so running ones can grow.
         self.watermark_blocks = int(watermark * num_blocks)
         self.num_copy_on_write = 0
@@ -162,7 +167,6 @@ class BlockManager:
             (dst,) = self.pool.allocate(1)
             self.pool.decref([src])
             seq.block_table[i] = dst
-            seq.num_sent_blocks = min(seq.num_sent_blocks, i)
             if blocks_to_copy is None:
                 raise RuntimeError("copy-on-write needed but no blocks_to_copy list was given")
             blocks_to_copy.append((src, dst))
@@ -179,10 +183,62 @@ class BlockManager:
         self.pool.incref(child.block_table)
 
     def free(self, seq: Sequence) -> None:
-        # Tail blocks first, so the evictor reclaims a prefix's tail before its head.
-        self.pool.decref(seq.block_table[::-1])
+        """Release a sequence's blocks, in whichever pool they are."""
+        if seq.seq_id in self._swapped:
+            self._swapped.discard(seq.seq_id)
+            self.cpu_pool.decref(seq.block_table)
+        else:
+            # Tail blocks first, so the evictor reclaims a prefix's tail before its head.
+            self.pool.decref(seq.block_table[::-1])
         seq.block_table = []
-        seq.num_sent_blocks = 0
+
+    # ---- swap space --------------------------------------------------------------------------
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
+        """Move a request's blocks to the CPU pool, keeping what its sequences share shared: the (device block,
+        CPU block) pairs to copy, or None (and no change) if the CPU pool is too small."""
+        distinct = sorted({b for s in seqs for b in s.block_table})
+        if len(distinct) > self.cpu_pool.num_free:
+            return None
+        mapping = dict(zip(distinct, self.cpu_pool.allocate(len(distinct))))
+        for seq in seqs:
+            cpu_table = [mapping[b] for b in seq.block_table]
+            self.free(seq)
+            seq.block_table = cpu_table
+            self._swapped.add(seq.seq_id)
+        # Each CPU block starts with one reference; add the others (blocks shared inside the request).
+        refs = [b for s in seqs for b in s.block_table]
+        for b in set(refs):
+            self.cpu_pool.incref([b] * (refs.count(b) - 1))
+        return list(mapping.items())
+
+    def swap_in(self, seqs: list[Sequence], num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back if its blocks and each sequence's next ``num_new_tokens`` fit: the (CPU
+        block, device block) pairs to copy, or None (and no change)."""
+        refs = [b for s in seqs for b in s.block_table]
+        # Shared CPU blocks come back shared; without sharing, every sequence gets its own copies.
+        restore = sorted(set(refs)) if self.share_blocks else refs
+        bs = self.block_size
+        grow = sum(max(0, -(-(s.num_computed_tokens + min(num_new_tokens, s.num_tokens - s.num_computed_tokens))
+                            // bs) - len(s.block_table)) for s in seqs)
+        tails = len(seqs) if self.share_blocks else 0  # a shared tail block is copied on its next write
+        if len(restore) + grow + tails > self.num_free_blocks:
+            return None
+        pairs: list[tuple[int, int]] = []
+        if self.share_blocks:
+            mapping = dict(zip(restore, self.pool.allocate(len(restore))))
+            for c in restore:
+                self.pool.incref([mapping[c]] * (refs.count(c) - 1))
+            pairs = list(mapping.items())
+        for seq in seqs:
+            self.cpu_pool.decref(seq.block_table)
+            self._swapped.discard(seq.seq_id)
+            if self.share_blocks:
+                seq.block_table = [mapping[c] for c in seq.block_table]
+            else:
+                new = self.pool.allocate(len(seq.block_table))
+                pairs += zip(seq.block_table, new)
+                seq.block_table = new
+        return pairs
 
     # ---- prefix caching ----------------------------------------------------------------------
     def match_prefix(self, seq: Sequence, salt: str | None) -> list[int]:

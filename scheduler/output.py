@@ -42,6 +42,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    # A best_of request's first sample: seq_id -> the seeds of the best_of - 1 completions that fork from it.
+    # Each gets an extra sampling row from the same logits; the scheduler forks them when the results come back.
+    fork_seeds: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -50,8 +53,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Results for the sequences that sampled this step, in ``seq_ids`` order. A sequence appears
-    ``best_of`` times on the step that samples its prompt's first tokens (one row per child)."""
+    """Results for the sequences that sampled this step, in ``seq_ids`` order. A sequence in ``fork_seeds``
+    appears once more per forked completion, right after its own row."""
 
     seq_ids: list[int]
     sampled_token_ids: list[int]

@@ -62,7 +62,7 @@ class Sequence:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of its full, computed blocks
 
-    def fork(self, seq_id: int, index: int, seed: int) -> "Sequence":
+    def fork(self, seq_id: int, index: int, seed: int) -> Sequence:
         """A child with the same tokens and progress; the block manager shares the blocks."""
         return Sequence(seq_id=seq_id, index=index, token_ids=list(self.token_ids), prompt_len=self.prompt_len,
                         seed=seed, num_computed_tokens=self.num_computed_tokens,
@@ -75,10 +75,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
 
     @property
     def finished(self) -> bool:

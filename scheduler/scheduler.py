@@ -14,11 +14,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedserve.config import SchedulerConfig
+from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.outputs import EngineCoreOutput
 from pagedserve.scheduler.beam import BeamSearcher
-from pagedserve.scheduler.block_manager import BlockManager, BlockPool
+from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.output import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
-from pagedserve.scheduler.request import Request, RequestStatus, Sequence, child_seed
+from pagedserve.scheduler.request import FINISH_REASONS, Request, RequestStatus, Sequence, child_seed
 
 
 @dataclass
@@ -35,23 +36,15 @@ class SchedulerStats:
     peak_blocks_used: int = 0
 
 
-@dataclass
-class SeqUpdate:
-    """What changed for one request this step (token ids only; the engine adds text)."""
-
-    request: Request
-    new_token_ids: dict[int, list[int]] = field(default_factory=dict)  # completion index -> tokens
-    new_logprobs: dict[int, list[tuple[float, list[int], list[float], int]]] = field(default_factory=dict)
-    prompt_logprobs: list | None = None
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = False, num_cpu_blocks: int = 0, share_blocks: bool = True) -> None:
+    """``cache_config`` comes with ``num_blocks`` and ``num_cpu_blocks`` resolved from the workers' memory."""
+
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.config = config
-        self.block_size = block_size
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching, share_blocks=share_blocks)
-        self.cpu_pool = BlockPool(num_cpu_blocks)
+        self.block_size = cache_config.block_size
+        self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size,
+                                          cache_config.enable_prefix_caching, cache_config.num_cpu_blocks,
+                                          cache_config.enable_block_sharing)
         self.waiting: deque[Request] = deque()
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival_index
@@ -79,14 +72,14 @@ class Scheduler:
         self._finish_request(req, RequestStatus.FINISHED_ABORTED)
         return req
 
-    def fail_all(self) -> list[SeqUpdate]:
-        """The workers (and the KV they held) are gone: end every request with an error."""
+    def fail_all(self, error: str) -> list[EngineCoreOutput]:
+        """The workers (and the KV they held) are gone: end every request with ``error``."""
         failed = list(self.requests.values())
         for req in failed:
             self._finish_request(req, RequestStatus.FINISHED_ERROR)
         self.block_manager.reset_prefix_cache()
         self._finished_seq_ids.clear()  # the new workers hold no sequence state
-        return [SeqUpdate(req) for req in failed]
+        return [self._core_output(req, EngineCoreOutput(req.request_id), error) for req in failed]
 
     def stop_sequence(self, req: Request, index: int) -> None:
         """Finish one completion early (a stop string matched in the engine's detokenizer)."""
@@ -102,15 +95,8 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
-    def _free_blocks(self, seq: Sequence) -> None:
-        if seq.status == RequestStatus.SWAPPED:
-            self.cpu_pool.decref(seq.block_table)
-            seq.block_table = []
-        else:
-            self.block_manager.free(seq)
-
     def _release(self, seq: Sequence, status: RequestStatus) -> None:
-        self._free_blocks(seq)
+        self.block_manager.free(seq)
         seq.status = status
         self._finished_seq_ids.add(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
@@ -164,53 +150,24 @@ class Scheduler:
 
     def _swap_out(self, req: Request, out: SchedulerOutput) -> bool:
         seqs = req.live_seqs
-        distinct = {b for s in seqs for b in s.block_table}
-        if len(distinct) > self.cpu_pool.num_free:
+        pairs = self.block_manager.swap_out(seqs)
+        if pairs is None:
             return False
-        mapping = dict(zip(sorted(distinct), self.cpu_pool.allocate(len(distinct))))
         for seq in seqs:
-            cpu_table = [mapping[b] for b in seq.block_table]
-            self.block_manager.free(seq)
-            seq.block_table = cpu_table
             seq.status = RequestStatus.SWAPPED
             seq.num_sent_tokens = 0
             self._finished_seq_ids.add(seq.seq_id)
-        # Each CPU block starts with one reference; add the others (blocks shared inside the request).
-        refs = [b for s in seqs for b in s.block_table]
-        for b in set(refs):
-            self.cpu_pool.incref([b] * (refs.count(b) - 1))
-        out.blocks_to_swap_out.extend(mapping.items())
-        self.stats.num_swapped_out_blocks += len(mapping)
+        out.blocks_to_swap_out.extend(pairs)
+        self.stats.num_swapped_out_blocks += len(pairs)
         req.status = RequestStatus.SWAPPED
         return True
 
     def _swap_in(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Bring a swapped request back if its blocks and its next ``n`` tokens fit."""
-        seqs = req.live_seqs
-        bm = self.block_manager
-        refs = [b for s in seqs for b in s.block_table]
-        # Shared CPU blocks come back shared; without sharing, every sequence gets its own copies.
-        restore = sorted(set(refs)) if bm.share_blocks else refs
-        bs = self.block_size
-        grow = sum(max(0, -(-(s.num_computed_tokens + min(n, s.num_tokens - s.num_computed_tokens)) // bs)
-                       - len(s.block_table)) for s in seqs)
-        tails = len(seqs) if bm.share_blocks else 0  # a shared tail block is copied on its next write
-        if len(restore) + grow + tails > bm.num_free_blocks:
+        pairs = self.block_manager.swap_in(req.live_seqs, n)
+        if pairs is None:
             return False
-        pairs: list[tuple[int, int]] = []
-        if bm.share_blocks:
-            mapping = dict(zip(restore, bm.pool.allocate(len(restore))))
-            for c in restore:
-                bm.pool.incref([mapping[c]] * (refs.count(c) - 1))
-            pairs = list(mapping.items())
-        for seq in seqs:
-            self.cpu_pool.decref(seq.block_table)
-            if bm.share_blocks:
-                seq.block_table = [mapping[c] for c in seq.block_table]
-            else:
-                new = bm.pool.allocate(len(seq.block_table))
-                pairs += zip(seq.block_table, new)
-                seq.block_table = new
+        for seq in req.live_seqs:
             seq.status = RequestStatus.RUNNING
         out.blocks_to_swap_in.extend(pairs)
         self.stats.num_swapped_in_blocks += len(pairs)
@@ -221,7 +178,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        bm = self.block_manager
         preempted = False
 
         i = 0
@@ -271,7 +227,10 @@ class Scheduler:
         if need > bm.num_free_blocks:
             return False
         for s in seqs:
+            first_copy = len(out.blocks_to_copy)
             bm.allocate_slots(s, min(n, s.num_tokens - s.num_computed_tokens), out.blocks_to_copy)
+            for _, dst in out.blocks_to_copy[first_copy:]:  # the workers must get the new table from there on
+                s.num_sent_blocks = min(s.num_sent_blocks, s.block_table.index(dst))
         return True
 
     @staticmethod
@@ -329,6 +288,10 @@ class Scheduler:
         seq.num_sent_tokens = seq.num_tokens
         seq.num_sent_blocks = len(seq.block_table)
         seq.num_computed_tokens += n
+        best_of = req.sampling_params.best_of
+        if best_of > 1 and len(req.seqs) == 1 and seq.num_computed_tokens == seq.num_tokens == seq.prompt_len:
+            # The prompt's first sample: the other best_of - 1 completions fork from it, sharing its blocks.
+            out.fork_seeds[seq.seq_id] = [child_seed(seq.seed, j) for j in range(1, best_of)]
         out.num_scheduled_tokens[seq.seq_id] = n
         out.total_num_scheduled_tokens += n
         return n
@@ -346,20 +309,26 @@ class Scheduler:
             st.waste_sum += max(0.0, 1.0 - sum(filled.values()) / (used * self.block_size))
 
     # ---- results -----------------------------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput,
-                           max_model_len: int) -> list[SeqUpdate]:
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply a step's results; one output per request that got tokens, prompt logprobs or finished."""
         bm = self.block_manager
         for seq_id in sched.num_scheduled_tokens:
             if seq_id in self.seqs:
                 req, seq = self.seqs[seq_id]
                 bm.cache_full_blocks(seq, req.cache_salt)
-        updates: dict[str, SeqUpdate] = {}
+        touched: dict[str, tuple[Request, EngineCoreOutput]] = {}
+
+        def output_of(req: Request) -> EngineCoreOutput:
+            if req.request_id not in touched:
+                touched[req.request_id] = (req, EngineCoreOutput(req.request_id))
+            return touched[req.request_id][1]
+
         for seq_id, plps in result.prompt_logprobs.items():
             if seq_id not in self.seqs:
                 continue
             req, seq = self.seqs[seq_id]
-            upd = updates.setdefault(req.request_id, SeqUpdate(req))
-            upd.prompt_logprobs = (upd.prompt_logprobs or []) + plps
+            out = output_of(req)
+            out.prompt_logprobs = (out.prompt_logprobs or []) + plps
             if seq.num_computed_tokens >= seq.prompt_len:
                 req.prompt_logprobs_done = True
         samples: dict[int, list[int]] = {}
@@ -369,35 +338,50 @@ class Scheduler:
             if seq_id not in self.seqs:  # aborted while the step ran
                 continue
             req, seq = self.seqs[seq_id]
-            upd = updates.setdefault(req.request_id, SeqUpdate(req))
+            out = output_of(req)
             if req.beam_params is not None:
                 self.beam.record(req, seq, result, rows[0])
                 continue
             targets = [seq]
-            for j in range(1, len(rows)):  # first sample of a best_of request: fork the prompt
-                child = seq.fork(self.next_seq_id(), req.next_seq_index, child_seed(seq.seed, j))
+            for seed in sched.fork_seeds.get(seq_id, []):  # rows 1.. are the forked completions' first samples
+                child = seq.fork(self.next_seq_id(), req.next_seq_index, seed)
                 req.next_seq_index += 1
                 bm.fork(seq, child)
                 self.add_seq(req, child)
                 targets.append(child)
             for target, k in zip(targets, rows):
-                self._append(req, target, result, k, upd, max_model_len)
+                self._append(req, target, result, k, out)
         for req in self.beam.step_done():
-            updates.setdefault(req.request_id, SeqUpdate(req))
-        return list(updates.values())
+            output_of(req)
+        return [self._core_output(req, out) for req, out in touched.values()]
 
-    def _append(self, req: Request, seq: Sequence, result: ModelRunnerOutput, k: int, upd: SeqUpdate,
-                max_model_len: int) -> None:
+    @staticmethod
+    def _core_output(req: Request, out: EngineCoreOutput, error: str | None = None) -> EngineCoreOutput:
+        """Fill in what holds after the step: finish reasons, cumulative logprobs, beams, an error."""
+        out.finished = req.finished
+        out.num_cached_tokens = req.num_cached_tokens
+        for s in req.seqs:
+            if s.index in out.new_token_ids or s.finished:
+                out.cumulative_logprobs[s.index] = s.cumulative_logprob
+            if s.finished:
+                out.finish_reasons[s.index] = (FINISH_REASONS[s.status], s.stop_reason)
+        if req.finished and req.beam_params is not None:
+            out.beams = [(h.token_ids, h.cum_logprob, h.score, h.finish_reason) for h in req.beam_state.finished]
+        if req.status == RequestStatus.FINISHED_ERROR:
+            out.error = error or "the model workers failed while this request ran"
+        return out
+
+    def _append(self, req: Request, seq: Sequence, result: ModelRunnerOutput, k: int, out: EngineCoreOutput) -> None:
         token = result.sampled_token_ids[k]
         seq.token_ids.append(token)
-        upd.new_token_ids.setdefault(seq.index, []).append(token)
+        out.new_token_ids.setdefault(seq.index, []).append(token)
         if result.sampled_logprobs is not None:
             lp = result.sampled_logprobs[k]
             seq.cumulative_logprob += lp
             if req.sampling_params.logprobs is not None:
                 top = result.top_logprobs.get(k, ([], [], 0))
-                upd.new_logprobs.setdefault(seq.index, []).append((lp, top[0], top[1], top[2]))
-        status = self.check_stop(req, seq, token, max_model_len)
+                out.new_logprobs.setdefault(seq.index, []).append((lp, top[0], top[1], top[2]))
+        status = self.check_stop(req, seq, token, self.config.max_model_len)
         if status is not None:
             self.finish_seq(req, seq, status)
 

@@ -7,7 +7,7 @@ from pagedserve import LLM, SamplingParams
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedserve.cluster.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pagedserve", *args], capture_output=True,
                           text=True, timeout=120)
 
 

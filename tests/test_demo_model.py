@@ -21,7 +21,8 @@ def test_bundled_model_is_default_and_matches_hf():
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for prompt, out in zip(prompts, outs):
         ids = tok(prompt, return_tensors="pt").input_ids
-        ref = hf.generate(ids, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids))[0, ids.shape[1]:]
+        ref = hf.generate(ids, max_new_tokens=24, do_sample=False,
+                          attention_mask=torch.ones_like(ids))[0, ids.shape[1]:]
         ref = ref.tolist()
         if tok.eos_token_id in ref:
             ref = ref[: ref.index(tok.eos_token_id) + 1]

@@ -6,20 +6,19 @@ import json
 import os
 import shutil
 import subprocess
-from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from pagedserve.deploy import promql
+from pagedserve.tests import promql
 
 GRAFANA_DIR = os.path.join(promql.DEPLOY_DIR, "grafana")
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None,
     reason="the `promtool` binary is missing: run deploy/install_prometheus.sh (Debian package prometheus)")
-PROMETHEUS_BUILTINS = {"up", "scrape_duration_seconds", "scrape_samples_scraped", "scrape_samples_post_metric_relabeling",
-                       "scrape_series_added"}
+PROMETHEUS_BUILTINS = {"up", "scrape_duration_seconds", "scrape_samples_scraped",
+                       "scrape_samples_post_metric_relabeling", "scrape_series_added"}
 
 
 def _promtool(*args: str) -> str:
@@ -67,7 +66,7 @@ def test_prometheus_config_scrapes_the_gateway():
     assert job.get("metrics_path", "/metrics") == "/metrics"
     assert job["static_configs"][0]["targets"] == ["localhost:9400"]
     assert cfg["rule_files"] == ["alerts.yml"]
-    from pagedserve.cluster.serve import ServeOptions
+    from pagedserve.cluster.entrypoints.serve import ServeOptions
 
     assert ServeOptions().metrics_port == 9400  # the documented default target port
 
@@ -146,18 +145,21 @@ def _family_series(fam) -> set[str]:
 def exported_names(llama_dir) -> set[str]:
     """The series names /metrics serves, derived from the code: the gateway registry (labelled metrics included
     before their first observation), the workers gauges, and a real engine core's scheduler metrics."""
-    from pagedserve.cluster.metrics import GatewayMetrics
-    from pagedserve.cluster.scheduler_metrics import SchedulerMetrics
-    from pagedserve.config import EngineArgs
+    from pagedserve.cluster.runtime.core_metrics import EngineCoreMetrics
+    from pagedserve.cluster.runtime.replicas import Replica
+    from pagedserve.cluster.runtime.router import ReplicaRouter
+    from pagedserve.cluster.server.metrics import GatewayMetrics
+    from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.engine.llm_engine import LLMEngine
 
-    gm = GatewayMetrics("m")
-    gm.replicas.engine = SimpleNamespace(replicas=[SimpleNamespace(index=0, actor=None)], alive=[False],
-                                         tensor_parallel_size=1)  # a dead replica: no Ray call, workers gauges only
-    fams = list(gm.registry.collect())
     engine = LLMEngine.from_engine_args(EngineArgs(model=llama_dir))
     try:
-        fams += SchedulerMetrics(engine.core).collect()
+        gm = GatewayMetrics("m")
+        router = ReplicaRouter([Replica(0, None, None)], None, [engine.core.get_info()])
+        router.alive = [False]  # a dead replica: no Ray call, workers gauges only
+        gm.engines.engine = router
+        fams = list(gm.registry.collect())
+        fams += EngineCoreMetrics(engine.core).collect()
     finally:
         engine.core.shutdown()
     names = set().union(*(_family_series(f) for f in fams))

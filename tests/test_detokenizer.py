@@ -1,6 +1,7 @@
 """Streaming text never contains broken UTF-8, and equals a one-shot decode at the end."""
 from __future__ import annotations
 
+import itertools
 import random
 
 from transformers import AutoTokenizer
@@ -65,7 +66,7 @@ def test_engine_streaming_outputs_grow_monotonically(llama_dir):
             texts.append(out.outputs[0].text)
             final = out
     assert len(texts) == 30 and final.finished
-    for a, b in zip(texts, texts[1:]):
+    for a, b in itertools.pairwise(texts):
         assert b.startswith(a)
     tok = engine.tokenizer
     assert final.outputs[0].text == tok.decode(final.outputs[0].token_ids, skip_special_tokens=True)

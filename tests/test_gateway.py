@@ -10,9 +10,9 @@ import pytest
 
 from pagedserve import LLM, BeamSearchParams, SamplingParams
 from pagedserve.cluster.client import AsyncClient
-from pagedserve.config import EngineArgs
+from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.proto.v1 import generation_pb2 as pb
-from pagedserve.cluster.server_thread import ServerThread
+from pagedserve.tests.server_thread import ServerThread
 from pagedserve.tests.utils import random_prompts
 
 WORDS = "def class return import self value the of data paged block cache".split()

@@ -11,8 +11,8 @@ import grpc
 import pytest
 import ray
 
-from pagedserve.config import EngineArgs
-from pagedserve.cluster.server_thread import ServerThread
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.tests.server_thread import ServerThread
 
 KEY = "s3cret-key"
 
@@ -81,7 +81,7 @@ def test_full_queue_is_resource_exhausted(secure):
         assert c.generate("import", max_tokens=2, temperature=0.0).completion_tokens == 2
 
 
-def test_scheduler_actor_death_is_unavailable_then_recovers(secure):
+def test_engine_core_actor_death_is_unavailable_then_recovers(secure):
     replica = secure.replicas[0]
     pid = ray.get(replica.actor.pid.remote())
     with secure.client(root_certificates=secure.root, api_key=KEY) as c:

@@ -10,8 +10,8 @@ import pytest
 import ray
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.cluster.server_thread import ServerThread
-from pagedserve.config import EngineArgs
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.tests.server_thread import ServerThread
 
 
 @pytest.fixture(scope="module")
@@ -46,5 +46,5 @@ def test_worker_death_is_unavailable_then_group_is_rebuilt(tp_server):
         assert c.generate("class", max_tokens=4, temperature=0.0).completion_tokens == 4
         info = c.model_info()
         assert info.num_running_requests == 0 and info.kv_cache_usage == 0.0
-    assert ray.get(actor.get_stats.remote())["num_worker_restarts"] == 1
+    assert ray.get(actor.get_stats.remote()).num_worker_restarts == 1
     assert set(ray.get(actor.worker_pids.remote())).isdisjoint(pids)

@@ -9,10 +9,10 @@ if not torch.cuda.is_available():
     # Must be set before triton is imported and before any @triton.jit runs.
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
-from pagedserve.kernels import torch_ref, triton_attention, triton_ops  # noqa: E402
-from pagedserve.kernels.triton_attention import AttentionConfig  # noqa: E402
+from pagedserve.kernels import torch_ref, triton_attention, triton_ops
+from pagedserve.kernels.triton_attention import AttentionConfig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {

@@ -15,8 +15,8 @@ def main(model_dir: str) -> None:
     from ray.cluster_utils import Cluster
 
     from pagedserve.cluster.client import AsyncClient
-    from pagedserve.cluster.server_thread import ServerThread
-    from pagedserve.config import EngineArgs
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.tests.server_thread import ServerThread
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
     cluster.add_node(num_cpus=3)
@@ -36,7 +36,7 @@ def main(model_dir: str) -> None:
         report = {
             "bundle_nodes": [r.node_ids() for r in replicas],
             "scheduler_nodes": ray.get([r.actor.get_node_id.remote() for r in replicas]),
-            "requests": [s["num_requests"] for s in ray.get([r.actor.get_stats.remote() for r in replicas])],
+            "requests": [s.num_requests for s in ray.get([r.actor.get_stats.remote() for r in replicas])],
             "texts": sorted({r.text for r in results}),
             "data_parallel_size": dp,
             "nodes": [n["NodeID"] for n in ray.nodes() if n["Alive"]],

@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from pagedserve.cluster.client import Client, GenerateResult, accumulate
-from pagedserve.cluster.server_thread import ServerThread, free_port
-from pagedserve.config import EngineArgs
-from pagedserve.deploy import promql
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.tests import promql
+from pagedserve.tests.server_thread import ServerThread, free_port
 from pagedserve.tests.utils import random_prompts
 
 pytestmark = pytest.mark.skipif(
@@ -253,11 +253,11 @@ def test_label_names_exist(stack):
 
 
 def test_render_dashboard_png(stack, tmp_path):
-    """deploy/grafana/render_dashboard.py draws the key panels from this Prometheus into a PNG."""
+    """benchmarks/render_dashboard.py draws the key panels from this Prometheus into a PNG."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("render_dashboard",
-                                                  f"{promql.DEPLOY_DIR}/grafana/render_dashboard.py")
+                                                  f"{promql.DEPLOY_DIR}/../benchmarks/render_dashboard.py")
     render = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render)
     _, prom, _ = stack

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import re
 
-from pagedserve.cluster.protocol import check_fields, params_from_proto
 from pagedserve.cluster.client import build_request
+from pagedserve.cluster.server.protocol import check_fields, params_from_proto
 from pagedserve.proto import generate as gen
 
 # Version stamps differ between grpcio-tools releases without changing the stubs' meaning.

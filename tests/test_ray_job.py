@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 
-from pagedserve.cluster.server_thread import free_port
+from pagedserve.tests.server_thread import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,9 +27,10 @@ def test_ray_job_submit_runs_serve_and_query(llama_dir):
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths have a length limit
     # --block keeps `ray start` in the foreground; stopping it stops this head's processes only (unlike `ray stop`).
     head = subprocess.Popen([os.path.join(bin_dir, "ray"), "start", "--head", f"--port={gcs_port}",
-                             f"--dashboard-port={dash_port}", *ports, "--num-cpus=4", "--block", "--disable-usage-stats",
-                             f"--temp-dir={temp_dir}"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                             f"--dashboard-port={dash_port}", *ports, "--num-cpus=4", "--block",
+                             "--disable-usage-stats", f"--temp-dir={temp_dir}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     address = f"http://127.0.0.1:{dash_port}"
     try:
         deadline = time.monotonic() + 120

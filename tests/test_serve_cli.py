@@ -13,9 +13,9 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.client import Client
-from pagedserve.cluster.server_thread import free_port
+from pagedserve.tests.server_thread import free_port
 
-PS = [sys.executable, "-m", "pagedserve.cluster.cli"]
+PS = [sys.executable, "-m", "pagedserve"]
 
 
 def _wait_health(client: Client, want: str, proc: subprocess.Popen, timeout: float = 120.0) -> list[str]:

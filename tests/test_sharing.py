@@ -86,7 +86,8 @@ def test_hash_collisions_never_serve_wrong_kv(llama_dir, no_cache, monkeypatch):
 def test_parallel_sampling_children_equal_solo_runs(llama_dir, no_cache):
     prompt = random_prompts(1, seed=43, min_len=21, max_len=21)[0]  # 21 % 16 != 0: the tail block is shared
     llm = LLM(llama_dir)
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True),
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True),
                        use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
@@ -97,8 +98,8 @@ def test_parallel_sampling_children_equal_solo_runs(llama_dir, no_cache):
                                  use_tqdm=False)[0].outputs[0]
         assert c.token_ids == solo.token_ids
     stats = llm.llm_engine.core.get_stats()
-    assert stats["copy_on_write"] == 2  # the shared partial block was copied for all but one child
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["kv_blocks_shared"] == 0
+    assert stats.copy_on_write == 2  # the shared partial block was copied for all but one child
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.kv_blocks_shared == 0
     assert _stats(llm).num_scheduled_tokens == 21 + 3 * 19  # the prompt ran once, then 3 x 19 decodes
     assert_all_blocks_free(llm)
 
@@ -131,7 +132,8 @@ def test_swap_and_recompute_give_identical_outputs(llama_dir, mode):
     else:
         assert st.num_preemptions["swap"] > 0 and st.num_swapped_in_blocks == st.num_swapped_out_blocks > 0
     assert_all_blocks_free(tight)
-    assert tight.llm_engine.core.scheduler.cpu_pool.num_free == tight.llm_engine.core.scheduler.cpu_pool.num_blocks
+    cpu_pool = tight.llm_engine.core.scheduler.block_manager.cpu_pool
+    assert cpu_pool.num_free == cpu_pool.num_blocks
 
 
 def test_sharing_disabled_baseline_same_outputs_more_blocks(llama_dir):

@@ -101,7 +101,7 @@ def test_worker_death_fails_in_flight_and_recovers(ray_cluster, model_factory):
 def test_compiled_graph_broadcast_matches(ray_cluster, model_factory):
     """The Ray Compiled Graph broadcast (the GPU default) gives the same tokens as plain actor calls."""
     from pagedserve import EngineArgs, LLMEngine
-    from pagedserve.cluster.ray_executor import RayExecutor
+    from pagedserve.engine.executor.ray_executor import RayExecutor
 
     model_dir = model_factory("llama-gqa8")
     engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, tensor_parallel_size=2),

@@ -8,8 +8,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # exact CPU emulation of the kernels
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.tests.utils import assert_all_blocks_free, random_prompts  # noqa: E402
+from pagedserve import LLM, SamplingParams
+from pagedserve.tests.utils import assert_all_blocks_free, random_prompts
 
 
 def test_triton_backend_matches_torch(model_factory):

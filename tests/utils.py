@@ -107,7 +107,7 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, hf_mod
                              output_logits=True, return_dict_in_generate=True, eos_token_id=EOS,
                              pad_token_id=0, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
     tokens = out.sequences[0, len(prompt_ids):].tolist()
-    logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+    logprobs = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens)]
     if EOS in tokens:
         cut = tokens.index(EOS) + 1
         tokens, logprobs = tokens[:cut], logprobs[:cut]

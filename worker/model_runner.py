@@ -11,7 +11,6 @@ from pagedserve.config import EngineConfig
 from pagedserve.kernels import get_backend
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.scheduler.request import child_seed
 from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
 from pagedserve.worker.layers.attention import Attention
 from pagedserve.worker.models.loader import load_model
@@ -153,15 +152,6 @@ class ModelRunner:
                           torch.from_numpy(positions).to(dev), attn, sample_rows,
                           torch.tensor(logits_idx, dtype=torch.long, device=dev), prompt_chunks)
 
-    @staticmethod
-    def _sample_rows(seq_ids: list[int], states: list[SeqState]) -> list[tuple[int, SeqState, int]]:
-        """(seq_id, state, seed) per output row: a best_of request's first sample makes best_of rows."""
-        rows = []
-        for seq_id, st in zip(seq_ids, states):
-            forks = st.params.best_of if len(st.token_ids) == st.prompt_len else 1
-            rows += [(seq_id, st, child_seed(st.seed, j)) for j in range(forks)]
-        return rows
-
     def _sampling_metadata(self, states: list[SeqState], seeds: list[int]) -> SamplingMetadata:
         dev = self.device
         params = [s.params for s in states]
@@ -223,7 +213,9 @@ class ModelRunner:
         out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
         if not inp.sample_rows:
             return out
-        rows = self._sample_rows(out.seq_ids, [self.states[s] for s in out.seq_ids])
+        # (seq_id, state, seed) per sampling row: the scheduler's forks get a row each from the same logits.
+        rows = [(s, self.states[s], seed) for s in out.seq_ids
+                for seed in (self.states[s].seed, *sched.fork_seeds.get(s, ()))]
         if len(rows) > len(out.seq_ids):
             repeat = torch.tensor([sum(1 for r in rows if r[0] == s) for s in out.seq_ids], device=logits.device)
             logits = logits.repeat_interleave(repeat, dim=0)

@@ -7,7 +7,8 @@ import psutil
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.output import ModelRunnerOutput, NewSeqData, SchedulerOutput
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.parallel_state import init_tensor_parallel
 
@@ -48,9 +49,6 @@ class Worker:
 
     def _profile_cuda_blocks(self, per_block: int) -> int:
         """Run a worst-case step on a scratch cache, then give the KV pool what is left."""
-        from pagedserve.scheduler.output import NewSeqData
-        from pagedserve.sampling_params import SamplingParams
-
         sc, bs = self.config.scheduler_config, self.config.cache_config.block_size
         num_tokens = min(sc.max_num_batched_tokens, sc.max_model_len)
         blocks = -(-num_tokens // bs)

@@ -65,7 +65,8 @@ class GPT2LMHeadModel(nn.Module):
                 name = name.replace(".attn.c_attn.", ".c_attn.").replace(".attn.c_proj.", ".c_proj.")
                 name = name.replace(".mlp.c_fc.", ".c_fc.").replace(".mlp.c_proj.", ".mlp_proj.")
                 w = as_lazy(w)
-                if name.endswith(".weight") and any(k in name for k in (".c_attn.", ".c_proj.", ".c_fc.", ".mlp_proj.")):
+                conv1d = (".c_attn.", ".c_proj.", ".c_fc.", ".mlp_proj.")
+                if name.endswith(".weight") and any(k in name for k in conv1d):
                     w = w.t()  # Conv1D stores [in, out]
                 if ".c_attn." in name:
                     size = w.shape[0] // 3

@@ -7,8 +7,7 @@ from torch import nn
 from pagedserve.worker.layers.activation import get_act_fn
 from pagedserve.worker.layers.attention import Attention
 from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedserve.worker.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                                              RowParallelLinear)
+from pagedserve.worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedserve.worker.models.utils import load_params
 
 _POS_OFFSET = 2  # OPT reserves the first two rows of its position table

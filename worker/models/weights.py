@@ -24,7 +24,7 @@ class LazyWeight:
         dim %= len(self.shape)
         return (len(self.shape) - 1 - dim) if self.transposed else dim
 
-    def narrow(self, dim: int, start: int, length: int) -> "LazyWeight":
+    def narrow(self, dim: int, start: int, length: int) -> LazyWeight:
         dim %= len(self.shape)
         if start < 0 or start + length > self.shape[dim]:
             raise ValueError(f"narrow [{start}, {start + length}) out of range for dim {dim} of {self.shape}")
@@ -34,14 +34,14 @@ class LazyWeight:
         offsets[self._src_dim(dim)] += start
         return LazyWeight(self.source, tuple(shape), tuple(offsets), self.transposed)
 
-    def chunk(self, dim: int, sizes: list[int]) -> list["LazyWeight"]:
+    def chunk(self, dim: int, sizes: list[int]) -> list[LazyWeight]:
         out, start = [], 0
         for n in sizes:
             out.append(self.narrow(dim, start, n))
             start += n
         return out
 
-    def t(self) -> "LazyWeight":
+    def t(self) -> LazyWeight:
         if len(self.shape) != 2:
             raise ValueError("t() needs a 2-D weight")
         return LazyWeight(self.source, self.shape[::-1], self.offsets, not self.transposed)

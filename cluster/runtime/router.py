@@ -1,25 +1,29 @@
-"""The gateway's side of the scheduler actors: picks a replica per request, receives every replica's output
-stream (one Ray streaming generator each) and turns token ids into text with an ``OutputProcessor``."""
+"""The router over a serving cluster's replicas (the gateway's ``EngineClient``): processes each request once,
+picks the replica with the fewest running requests, receives every replica's output stream (one Ray streaming
+generator each) and turns token ids into text with an ``OutputProcessor``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
 
 import ray
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from pagedserve.cluster.replicas import Replica
-from pagedserve.cluster.scheduler_actor import QueueFullError
+from pagedserve.cluster.runtime.replicas import Replica
+from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
+from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.protocol import EngineClient
+from pagedserve.errors import EngineUnavailableError, InvalidRequestError, QueueFullError
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class EngineUnavailableError(RuntimeError):
-    """The replica serving a request failed (its actor died, or its workers did mid-request)."""
+SCRAPE_TIMEOUT_S = 5.0
 
 
 def unwrap(e: BaseException) -> BaseException:
@@ -29,11 +33,14 @@ def unwrap(e: BaseException) -> BaseException:
     return e
 
 
-class EngineClient:
-    def __init__(self, replicas: list[Replica], tokenizer, tensor_parallel_size: int = 1) -> None:
+class ReplicaRouter(EngineClient):
+    """``infos``: each replica's ``EngineInfo``; requests are validated against the smallest KV pool."""
+
+    def __init__(self, replicas: list[Replica], tokenizer, infos: list[EngineInfo]) -> None:
         self.replicas = replicas
-        self.tensor_parallel_size = tensor_parallel_size
+        self.info = dataclasses.replace(infos[0], num_kv_blocks=min(i.num_kv_blocks for i in infos))
         self.client_id = uuid.uuid4().hex
+        self.input_processor = InputProcessor(tokenizer, self.info)
         self.processor = OutputProcessor(tokenizer, self._stop_sequence)
         self._queues: dict[str, asyncio.Queue] = {}
         self._replica_of: dict[str, int] = {}
@@ -47,9 +54,6 @@ class EngineClient:
     @property
     def num_running(self) -> int:
         return len(self._queues)
-
-    def is_running(self, request_id: str) -> bool:
-        return request_id in self._queues
 
     def _stop_sequence(self, request_id: str, index: int) -> None:
         i = self._replica_of.get(request_id)
@@ -103,13 +107,17 @@ class EngineClient:
             raise EngineUnavailableError("no model replica is available")
         return min(live, key=lambda i: self.load[i])
 
-    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams | BeamSearchParams, stream: bool = True,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
-        """Yield the request's delta outputs (each step's when ``stream``, else the final one). Raises ValueError,
-        QueueFullError or EngineUnavailableError; cancelling the iteration aborts the request."""
+    async def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
+                      cache_salt: str | None = None) -> tuple[str | None, EngineCoreRequest]:
         if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already running")
+            raise InvalidRequestError(f"request_id {request_id!r} is already running")
+        return self.input_processor.process(request_id, prompt, params, cache_salt)
+
+    async def generate(self, prompt: str | None, request: EngineCoreRequest,
+                       stream: bool = True) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
+        request_id = request.request_id
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request_id {request_id!r} is already running")
         i = self._pick()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
@@ -117,10 +125,10 @@ class EngineClient:
         self.load[i] += 1
         finished = False
         try:
-            self.processor.add_request(request_id, prompt, prompt_token_ids, params, stream, delta=True)
+            self.processor.add_request(request_id, prompt, request.prompt_token_ids, request.params, stream,
+                                       delta=True)
             try:
-                await self.replicas[i].actor.add_request.remote(self.client_id, request_id, prompt_token_ids, params,
-                                                                 cache_salt)
+                await self.replicas[i].actor.add_request.remote(self.client_id, request)
             except ray.exceptions.RayTaskError as e:
                 cause = unwrap(e)
                 if isinstance(cause, (ValueError, QueueFullError)):
@@ -160,8 +168,34 @@ class EngineClient:
             q.put_nowait(out)
         return True
 
-    async def stats(self) -> list[dict]:
+    async def get_stats(self) -> list[EngineStats]:
         return await asyncio.gather(*[r.actor.get_stats.remote() for r, ok in zip(self.replicas, self.alive) if ok])
+
+    def collect_metrics(self) -> list[Metric]:
+        """Every live replica's metric families, their samples labelled ``replica``, and the workers-up gauges."""
+        tp = self.info.tensor_parallel_size
+        up = GaugeMetricFamily("pagedserve_workers_up", "Model workers (TP ranks) alive, per replica.",
+                               labels=["replica"])
+        expected = GaugeMetricFamily("pagedserve_workers_expected",
+                                     "Model workers (TP ranks) configured, per replica.", labels=["replica"])
+        merged: dict[str, Metric] = {}
+        for r, alive in zip(self.replicas, self.alive):
+            label = str(r.index)
+            expected.add_metric([label], tp)
+            families = None
+            if alive:
+                try:
+                    families = ray.get(r.actor.get_metrics.remote(), timeout=SCRAPE_TIMEOUT_S)
+                except Exception as e:  # a dying replica must not break the scrape
+                    logger.warning("replica %d metrics unavailable: %s", r.index, e)
+            up.add_metric([label], tp if families is not None else 0)
+            for fam in families or []:
+                out = merged.get(fam.name)
+                if out is None:
+                    out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                for smp in fam.samples:
+                    out.add_sample(smp.name, {"replica": label, **smp.labels}, smp.value, smp.timestamp)
+        return [up, expected, *merged.values()]
 
     async def close(self) -> None:
         for t in self._pumps:

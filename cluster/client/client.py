@@ -8,104 +8,18 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.cluster.protocol import FINISH_NAMES, beam_search_to_proto, sampling_params_to_proto
+from pagedserve.cluster.client.request import Delta, GenerateResult, accumulate, build_request
 from pagedserve.proto.v1 import generation_pb2 as pb
 from pagedserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                    ("grpc.max_send_message_length", 64 * 1024 * 1024),
                    ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000)]
-
-
-@dataclass
-class Delta:
-    """New output of one completion, as it streams."""
-
-    request_id: str
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list = field(default_factory=list)  # pb.TokenLogprobs per new token
-
-
-@dataclass
-class Completion:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cumulative_logprob: float | None = None
-    beam_score: float | None = None
-    logprobs: list = field(default_factory=list)
-
-
-@dataclass
-class GenerateResult:
-    request_id: str
-    completions: list[Completion]
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    prompt_logprobs: list = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return self.completions[0].text
-
-
-def build_request(prompt: str | list[int], request_id: str | None = None, stream: bool = True,
-                  beam_search: dict | None = None, cache_salt: str | None = None, **sampling) -> pb.GenerateRequest:
-    """``sampling`` takes SamplingParams' names (max_tokens, temperature, n, stop, seed, logprobs, ...);
-    ``beam_search`` a dict of BeamSearchParams' (beam_width, max_tokens, length_penalty, early_stopping)."""
-    req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, cache_salt=cache_salt or "",
-                             stream_mode=pb.STREAM_MODE_UNSPECIFIED if stream else pb.STREAM_MODE_FINAL)
-    if isinstance(prompt, str):
-        req.text = prompt
-    else:
-        req.token_ids.ids.extend(prompt)
-    if beam_search is not None:
-        if sampling:
-            raise TypeError("beam_search takes no sampling parameters")
-        req.beam_search.CopyFrom(beam_search_to_proto(**beam_search))
-    elif sampling:
-        req.sampling_params.CopyFrom(sampling_params_to_proto(**sampling))
-    return req
-
-
-def accumulate(result: GenerateResult, resp: pb.GenerateResponse) -> list[Delta]:
-    """Fold one response into ``result``; return its deltas."""
-    deltas = []
-    for d in resp.completions:
-        while len(result.completions) <= d.index:
-            result.completions.append(Completion(len(result.completions)))
-        c = result.completions[d.index]
-        c.text += d.text
-        c.token_ids += list(d.token_ids)
-        c.logprobs += list(d.logprobs)
-        c.finish_reason = FINISH_NAMES[d.finish_reason]
-        kind = d.WhichOneof("stop_reason")
-        if kind is not None:
-            c.stop_reason = getattr(d, kind)
-        if d.HasField("cumulative_logprob"):
-            c.cumulative_logprob = d.cumulative_logprob
-        if d.HasField("beam_score"):
-            c.beam_score = d.beam_score
-        deltas.append(Delta(resp.request_id, d.index, d.text, list(d.token_ids), c.finish_reason, list(d.logprobs)))
-    result.prompt_logprobs += list(resp.prompt_logprobs)
-    if resp.HasField("usage"):
-        u = resp.usage
-        result.prompt_tokens, result.completion_tokens = u.prompt_tokens, u.completion_tokens
-        result.cached_prompt_tokens = u.cached_prompt_tokens
-    return deltas
 
 
 def _credentials(api_key: str | None, tls: bool, root_certificates: bytes | None):
@@ -123,7 +37,7 @@ class Client:
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
         self.timeout = timeout
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -199,7 +113,7 @@ class AsyncClient:
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
         self.timeout = timeout
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -4,8 +4,8 @@ Each panel's queries, exactly as in pagedserve-dashboard.json, are run over the 
 Grafana variables filled in, and drawn with matplotlib: time series as lines (stacked where the panel stacks),
 heatmaps as heatmaps. Run it at the end of a load run:
 
-    python deploy/grafana/render_dashboard.py --prometheus http://localhost:9090 --minutes 15
-    python deploy/grafana/render_dashboard.py --prometheus http://127.0.0.1:9091 --start 1732240000 --end 1732240300 \
+    python benchmarks/render_dashboard.py --prometheus http://localhost:9090 --minutes 15
+    python benchmarks/render_dashboard.py --prometheus http://127.0.0.1:9091 --start 1732240000 --end 1732240300 \
         --step 2 --scrape-interval 1 --out /tmp/dashboard.png
 """
 from __future__ import annotations
@@ -14,17 +14,11 @@ import argparse
 import math
 import os
 import re
-import sys
 import time
 
-try:
-    from pagedserve.deploy import promql
-except ImportError:  # run from a checkout without pagedserve installed
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from deploy import promql  # type: ignore[no-redef]
+from pagedserve.tests import promql
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_OUT = os.path.join(HERE, "dashboard.png")
+DEFAULT_OUT = os.path.join(promql.DEPLOY_DIR, "grafana", "dashboard.png")
 KEY_PANELS = [
     "Time to first token", "Inter-token latency", "End-to-end request latency", "Queue time",
     "Token throughput", "Finish reasons", "Scheduler state", "KV cache usage",
@@ -36,7 +30,7 @@ UNITS = {"s": ("seconds", 1.0), "percentunit": ("%", 100.0), "reqps": ("requests
 
 def rate_interval(step: float, scrape_interval: float) -> str:
     """Grafana's $__rate_interval: max(step + scrape interval, 4 x scrape interval)."""
-    return f"{int(math.ceil(max(step + scrape_interval, 4 * scrape_interval)))}s"
+    return f"{math.ceil(max(step + scrape_interval, 4 * scrape_interval))}s"
 
 
 def legend(fmt: str, labels: dict) -> str:

@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-DEPLOY_DIR = os.path.dirname(os.path.abspath(__file__))
+DEPLOY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy")
 DASHBOARD_PATH = os.path.join(DEPLOY_DIR, "grafana", "pagedserve-dashboard.json")
 PROMETHEUS_CONFIG_PATH = os.path.join(DEPLOY_DIR, "prometheus", "prometheus.yml")
 ALERTS_PATH = os.path.join(DEPLOY_DIR, "prometheus", "alerts.yml")
@@ -271,7 +271,7 @@ class LocalPrometheus:
                    static_configs=[{"targets": list(self.targets)}])
         return cfg
 
-    def start(self, timeout: float = 30.0) -> "LocalPrometheus":
+    def start(self, timeout: float = 30.0) -> LocalPrometheus:
         import subprocess
         import time
         import urllib.request
@@ -327,7 +327,7 @@ class LocalPrometheus:
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict]:
         return query_range(self.url, expr, start, end, step)
 
-    def __enter__(self) -> "LocalPrometheus":
+    def __enter__(self) -> LocalPrometheus:
         return self.start()
 
     def __exit__(self, *exc) -> None:

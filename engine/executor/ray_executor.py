@@ -10,58 +10,25 @@ import os
 import socket
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+import torch
+from ray.dag import InputNode, MultiOutputNode
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.executor.base import Executor, RayPlacement
+from pagedserve.engine.executor.ray_utils import ensure_ray, make_placement_group, rank_bundle, rank_cpus
+from pagedserve.errors import WorkerFailedError
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerFailedError(RuntimeError):
-    """A TP worker died; the whole group is unusable until rebuilt."""
-
-
-def ensure_ray(address: str | None = None) -> None:
-    """Join ``address`` (or RAY_ADDRESS) if given, else start a private local Ray instance.
-
-    A private instance runs without Ray's dashboard: its ten or so processes take ~1 GB and CPU that, on a small
-    host, the engine would miss, and nobody else can reach that instance anyway. For the dashboard or job
-    submission, start Ray yourself (``ray start --head``) and pass its address.
-    """
-    if not ray.is_initialized():
-        address = address or os.environ.get("RAY_ADDRESS")
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
-                 **({} if address else {"include_dashboard": False}))
-
-
-def rank_cpus(num_ranks: int, gpu: bool, reserved: float = 0.0) -> float:
-    """CPUs a rank asks for: a core, or a share of one where the cluster has fewer cores than ranks
-    (``reserved``: CPUs set aside for other actors)."""
-    if gpu:
-        return 1.0
-    share = (ray.cluster_resources().get("CPU", num_ranks) - reserved) / num_ranks
-    return max(0.01, min(1.0, int(share * 100) / 100))
-
-
-def rank_bundle(cpu: float, gpu: bool) -> dict[str, float]:
-    return {"GPU": 1, "CPU": cpu} if gpu else {"CPU": cpu}
-
-
-def make_placement_group(bundles: list[dict[str, float]]):
-    """One replica's resources on one node (a TP group never spans nodes)."""
-    pg = placement_group(bundles, strategy="STRICT_PACK")
-    ray.get(pg.ready(), timeout=120)
-    return pg
 
 
 class RayWorker:
     """A TP rank: builds its Worker (model shard + KV cache shard) inside the actor process."""
 
     def __init__(self, config: EngineConfig, rank: int, num_threads: int) -> None:
-        import torch
-
         torch.set_num_threads(num_threads)
         self.config, self.rank, self.worker = config, rank, None
 
@@ -77,8 +44,6 @@ class RayWorker:
             return s.getsockname()[1]
 
     def init_worker(self, init_method: str) -> None:
-        from pagedserve.worker.worker import Worker
-
         self.worker = Worker(self.config, self.rank, init_method, local_rank=0)
 
     def determine_num_blocks(self) -> int:
@@ -95,31 +60,30 @@ class RayWorker:
         return out if self.rank == 0 else None
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     """``use_compiled_graph``: broadcast through a Ray Compiled Graph (shared-memory channels) instead of
     plain actor calls. On this 2-core CPU its round trip is 1.0 ms against 3.1 ms, yet end-to-end TP=2
     throughput drops ~30% because its channels spin-wait on the cores the matmuls need
     (benchmarks/tp.py), so by default it is used on GPUs only, where the host cores are idle."""
 
-    def __init__(self, config: EngineConfig, ray_address: str | None = None,
-                 use_compiled_graph: bool | None = None, placement_group=None, first_bundle: int = 0) -> None:
-        """With ``placement_group``, rank r runs in its bundle ``first_bundle + r`` (the scheduler actor made the
-        group and sits in bundle 0); otherwise the executor makes and owns a group of its own."""
-        ensure_ray(ray_address)
+    def __init__(self, config: EngineConfig, placement: RayPlacement | None = None,
+                 use_compiled_graph: bool | None = None) -> None:
+        ensure_ray(config.parallel_config.ray_address)
         self.use_compiled_graph = config.device == "cuda" if use_compiled_graph is None else use_compiled_graph
         self.dag = None
         tp = config.parallel_config.tensor_parallel_size
         gpu = config.device == "cuda"
-        self.owns_pg = placement_group is None
-        if self.owns_pg:
-            placement_group = make_placement_group([rank_bundle(rank_cpus(tp, gpu), gpu)] * tp)
-        self.pg = placement_group
-        cpu = placement_group.bundle_specs[first_bundle].get("CPU", 0.0)
+        self.owns_pg = placement is None
+        if placement is None:
+            placement = RayPlacement(make_placement_group([rank_bundle(rank_cpus(tp, gpu), gpu)] * tp))
+        self.pg = placement.placement_group
+        first = placement.first_bundle
+        cpu = self.pg.bundle_specs[first].get("CPU", 0.0)
         threads = max(1, (os.cpu_count() or 1) // tp)
         actor_cls = ray.remote(num_cpus=cpu, num_gpus=1 if gpu else 0)(RayWorker)
         self.workers = [
             actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=first_bundle + rank),
+                placement_group=self.pg, placement_group_bundle_index=first + rank),
             ).remote(config, rank, threads)
             for rank in range(tp)]
         ip, port = ray.get([self.workers[0].node_ip.remote(), self.workers[0].free_port.remote()])
@@ -134,13 +98,11 @@ class RayExecutor:
     def num_cpu_blocks(self) -> int:
         return min(self._all("num_cpu_blocks"))
 
-    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self._all("init_kv_cache", num_blocks, num_cpu_blocks)
 
     def _compile(self) -> None:
         # Compiled after init_kv_cache: from here on the actors run only this graph.
-        from ray.dag import InputNode, MultiOutputNode
-
         with InputNode() as inp:
             dag = MultiOutputNode([w.execute_model.bind(inp) for w in self.workers])
         self.dag = dag.experimental_compile()
@@ -156,6 +118,9 @@ class RayExecutor:
         except ray.exceptions.RayError as e:
             # The survivors are stuck in a collective with the dead rank: the group is torn down by the caller.
             raise WorkerFailedError(f"tensor-parallel worker failed: {type(e).__name__}: {e}") from e
+
+    def worker_pids(self) -> list[int]:
+        return self._all("pid")
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -1,12 +1,13 @@
-"""Executors run a step on all TP workers. The in-process one serves tensor_parallel_size=1."""
+"""The in-process executor: one worker, no tensor parallelism."""
 from __future__ import annotations
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.executor.base import Executor
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.worker import Worker
 
 
-class UniProcExecutor:
+class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         if config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("the in-process executor runs tensor_parallel_size=1 only; "
@@ -19,7 +20,7 @@ class UniProcExecutor:
     def num_cpu_blocks(self) -> int:
         return self.worker.num_cpu_blocks()
 
-    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks, num_cpu_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

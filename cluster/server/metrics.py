@@ -1,59 +1,32 @@
-"""The gateway's Prometheus endpoint (``--metrics-port``): request-level metrics measured here, plus every
-scheduler actor's metrics pulled at scrape time, all in one scrape and all labelled ``model_name``."""
+"""The gateway's Prometheus endpoint (``--metrics-port``): request-level metrics measured here, plus the engines'
+metrics (every replica's, pulled at scrape time through the engine client), all in one scrape and all labelled
+``model_name``."""
 from __future__ import annotations
 
-import logging
 import time
 
-import ray
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
-from pagedserve.cluster.scheduler_metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
-
-logger = logging.getLogger(__name__)
-
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-               5.0, 10.0)
-SCRAPE_TIMEOUT_S = 5.0
+from pagedserve.cluster.buckets import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS
+from pagedserve.engine.protocol import EngineClient
 
 
-class ReplicaCollector:
-    """Scheduler-actor metrics with ``replica`` and ``model_name`` labels, and the workers-up gauges."""
+class EngineCollector:
+    """The engine client's metric families, each sample labelled with the served model's name."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.engine = None  # EngineClient, once the replicas are up
+        self.engine: EngineClient | None = None  # once the replicas are up
 
     def collect(self):
-        engine = self.engine
-        if engine is None:
+        if self.engine is None:
             return
-        up = GaugeMetricFamily("pagedserve_workers_up", "Model workers (TP ranks) alive, per replica.",
-                               labels=["model_name", "replica"])
-        expected = GaugeMetricFamily("pagedserve_workers_expected", "Model workers (TP ranks) configured, per replica.",
-                                     labels=["model_name", "replica"])
-        merged: dict[str, Metric] = {}
-        for r, alive in zip(engine.replicas, engine.alive):
-            labels = [self.model_name, str(r.index)]
-            expected.add_metric(labels, engine.tensor_parallel_size)
-            families = None
-            if alive:
-                try:
-                    families = ray.get(r.actor.get_metrics.remote(), timeout=SCRAPE_TIMEOUT_S)
-                except Exception as e:  # a dying replica must not break the scrape
-                    logger.warning("replica %d metrics unavailable: %s", r.index, e)
-            up.add_metric(labels, engine.tensor_parallel_size if families is not None else 0)
-            for fam in families or []:
-                out = merged.get(fam.name)
-                if out is None:
-                    out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-                for s in fam.samples:
-                    out.add_sample(s.name, {"model_name": self.model_name, "replica": str(r.index), **s.labels},
-                                   s.value, s.timestamp)
-        yield up
-        yield expected
-        yield from merged.values()
+        for fam in self.engine.collect_metrics():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for smp in fam.samples:
+                out.add_sample(smp.name, {"model_name": self.model_name, **smp.labels}, smp.value, smp.timestamp)
+            yield out
 
 
 class GatewayMetrics:
@@ -61,13 +34,13 @@ class GatewayMetrics:
         self.model_name = model_name
         self._http = None
         self.registry = CollectorRegistry(auto_describe=True)
-        self.replicas = ReplicaCollector(model_name)
-        self.registry.register(self.replicas)
+        self.engines = EngineCollector(model_name)
+        self.registry.register(self.engines)
         m, reg = ["model_name"], dict(registry=self.registry)
         self.finished = Counter("pagedserve_requests_finished", "Requests finished, by reason: stop, length, "
-                                "abort (client cancel, deadline or Abort) or error.", m + ["finish_reason"], **reg)
+                                "abort (client cancel, deadline or Abort) or error.", [*m, "finish_reason"], **reg)
         self.errors = Counter("pagedserve_request_errors", "Generate calls that ended with a gRPC error, by code.",
-                              m + ["code"], **reg)
+                              [*m, "code"], **reg)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of admitted requests.", m, **reg)
         self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens streamed to clients.", m, **reg)
         self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Request received to first token sent.",
@@ -97,7 +70,7 @@ class GatewayMetrics:
             self._http.server_close()
             self._http = None
 
-    def request(self) -> "RequestTimer":
+    def request(self) -> RequestTimer:
         return RequestTimer(self)
 
 

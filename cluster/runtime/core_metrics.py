@@ -1,4 +1,4 @@
-"""Metrics measured inside a scheduler actor. The gateway's /metrics pulls them at scrape time (one Ray call per
+"""Metrics measured inside an engine-core actor. The gateway's /metrics pulls them at scrape time (one Ray call per
 replica), labels them with ``replica`` and ``model_name``, and serves them with its own in one scrape."""
 from __future__ import annotations
 
@@ -7,18 +7,14 @@ import time
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pagedserve.cluster.buckets import LATENCY_BUCKETS, STEP_BUCKETS, TOKEN_BUCKETS
 from pagedserve.engine.engine_core import EngineCore, StepStats
 from pagedserve.scheduler.request import Request
 
 disable_created_metrics()  # no *_created series: they only clutter scrapes and dashboards
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0, 320.0)
-STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-
-class SchedulerMetrics:
+class EngineCoreMetrics:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.registry = CollectorRegistry(auto_describe=True)
@@ -86,14 +82,14 @@ class SchedulerMetrics:
                 c.add_metric([k] if label else [], v)
             fams.append(c)
 
-        gauge("pagedserve_num_requests_running", "Requests in the running batch.", s["num_running"])
-        gauge("pagedserve_num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"])
-        gauge("pagedserve_num_requests_swapped", "Requests preempted to CPU swap space.", s["num_swapped"])
-        gauge("pagedserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).", s["kv_usage"])
+        gauge("pagedserve_num_requests_running", "Requests in the running batch.", s.num_running)
+        gauge("pagedserve_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        gauge("pagedserve_num_requests_swapped", "Requests preempted to CPU swap space.", s.num_swapped)
+        gauge("pagedserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).", s.kv_usage)
         gauge("pagedserve_kv_cache_num_blocks", "KV cache blocks per worker (each rank holds its heads' share).",
-              s["kv_blocks_total"])
+              s.kv_blocks_total)
         gauge("pagedserve_kv_cache_free_blocks", "KV cache blocks free or holding only evictable cached prefixes.",
-              s["kv_blocks_free"])
+              s.kv_blocks_free)
         info = GaugeMetricFamily("pagedserve_cache_config_info", "KV cache configuration (value is always 1).",
                                  labels=["block_size", "num_blocks", "num_cpu_blocks", "tensor_parallel_size",
                                          "enable_prefix_caching"])
@@ -102,17 +98,17 @@ class SchedulerMetrics:
                          str(cc.enable_prefix_caching).lower()], 1)
         fams.append(info)
         counter("pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                s["prefix_cache_queries"])
-        counter("pagedserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", s["prefix_cache_hits"])
+                s.prefix_cache_queries)
+        counter("pagedserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
         counter("pagedserve_num_preemptions", "Requests preempted, by mode.", 0, "mode",
-                {"recompute": s["preemptions_recompute"], "swap": s["preemptions_swap"]})
+                {"recompute": s.preemptions_recompute, "swap": s.preemptions_swap})
         counter("pagedserve_swapped_blocks", "KV blocks copied between GPU and CPU swap space.", 0, "direction",
-                {"out": s["swapped_out_blocks"], "in": s["swapped_in_blocks"]})
+                {"out": s.swapped_out_blocks, "in": s.swapped_in_blocks})
         counter("pagedserve_copy_on_write_blocks", "KV blocks copied on write (a shared block diverged).",
-                s["copy_on_write"])
-        counter("pagedserve_engine_steps", "Engine steps (iterations) run.", s["steps"])
+                s.copy_on_write)
+        counter("pagedserve_engine_steps", "Engine steps (iterations) run.", s.steps)
         counter("pagedserve_scheduled_tokens", "Tokens scheduled for the model (prefill + decode).",
-                s["scheduled_tokens"])
+                s.scheduled_tokens)
         counter("pagedserve_worker_restarts", "Times the tensor-parallel worker group was rebuilt after a failure.",
-                s["num_worker_restarts"])
+                s.num_worker_restarts)
         return fams + list(self.registry.collect())

@@ -1,52 +1,23 @@
-"""Conversions between the ``pagedserve.v1`` messages and the engine's parameter and output types."""
+"""The server's conversions: ``pagedserve.v1`` request messages to engine parameters, engine outputs to response
+messages."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+from pagedserve.proto.fields import (
+    EARLY_STOPPING_VALUES,
+    FINISH_REASONS,
+    OPTIONAL_SAMPLING_FIELDS,
+    PLAIN_SAMPLING_FIELDS,
+    REPEATED_SAMPLING_FIELDS,
+    SAMPLING_FIELDS,
+)
 from pagedserve.proto.v1 import generation_pb2 as pb
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
-_OPTIONAL = ["n", "best_of", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "max_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens",
-             "spaces_between_special_tokens"]
-_REPEATED = ["stop", "stop_token_ids"]
-_PLAIN = ["include_stop_str_in_output", "ignore_eos", "min_tokens"]
-SAMPLING_FIELDS = _OPTIONAL + _REPEATED + _PLAIN
 
-_EARLY_STOPPING = {pb.EARLY_STOPPING_UNSPECIFIED: False, pb.EARLY_STOPPING_FALSE: False,
-                   pb.EARLY_STOPPING_TRUE: True, pb.EARLY_STOPPING_NEVER: "never"}
-_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
-           "abort": pb.FINISH_REASON_ABORT}
-FINISH_NAMES = {v: k for k, v in _FINISH.items()}
-
-
-# ---- client side: Python values -> messages -------------------------------------------------
-def sampling_params_to_proto(**kwargs) -> pb.SamplingParams:
-    unknown = sorted(set(kwargs) - set(SAMPLING_FIELDS))
-    if unknown:
-        raise TypeError(f"unknown sampling parameters: {unknown}")
-    msg = pb.SamplingParams()
-    for name, value in kwargs.items():
-        if value is None:
-            continue
-        if name in _REPEATED:
-            getattr(msg, name).extend([value] if isinstance(value, str) else value)
-        else:
-            setattr(msg, name, value)
-    return msg
-
-
-def beam_search_to_proto(beam_width: int, max_tokens: int, ignore_eos: bool = False, length_penalty: float = 1.0,
-                         early_stopping: bool | str = False) -> pb.BeamSearchParams:
-    es = {False: pb.EARLY_STOPPING_FALSE, True: pb.EARLY_STOPPING_TRUE, "never": pb.EARLY_STOPPING_NEVER}
-    if early_stopping not in es:
-        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
-    return pb.BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                               length_penalty=length_penalty, early_stopping=es[early_stopping])
-
-
-# ---- server side: messages -> engine parameters ----------------------------------------------
 @dataclass
 class ParsedRequest:
     prompt: str | None
@@ -59,42 +30,42 @@ def params_from_proto(req: pb.GenerateRequest) -> ParsedRequest:
     """Raise ValueError naming the offending field."""
     kind = req.WhichOneof("prompt")
     if kind is None:
-        raise ValueError("prompt: set either text or token_ids")
+        raise InvalidRequestError("prompt: set either text or token_ids")
     text = req.text if kind == "text" else None
     ids = list(req.token_ids.ids) if kind == "token_ids" else None
     beam = req.HasField("beam_search")
     if beam and req.HasField("sampling_params"):
-        raise ValueError("beam_search: set either sampling_params or beam_search, not both")
+        raise InvalidRequestError("beam_search: set either sampling_params or beam_search, not both")
     if beam:
         b = req.beam_search
         kw = {"beam_width": b.beam_width, "max_tokens": b.max_tokens, "ignore_eos": b.ignore_eos,
-              "early_stopping": _EARLY_STOPPING[b.early_stopping]}
+              "early_stopping": EARLY_STOPPING_VALUES[b.early_stopping]}
         if b.HasField("length_penalty"):
             kw["length_penalty"] = b.length_penalty
         try:
             params = BeamSearchParams(**kw)
         except ValueError as e:
-            raise ValueError(f"beam_search.{e}") from None
+            raise InvalidRequestError(f"beam_search.{e}") from None
         if req.stream_mode == pb.STREAM_MODE_DELTA:
-            raise ValueError("stream_mode: beam search returns its result at the end; use STREAM_MODE_FINAL")
+            raise InvalidRequestError("stream_mode: beam search returns its result at the end; use STREAM_MODE_FINAL")
         return ParsedRequest(text, ids, params, stream=False)
     sp = req.sampling_params
-    kw = {name: getattr(sp, name) for name in _OPTIONAL if sp.HasField(name)}
-    kw.update({name: list(getattr(sp, name)) for name in _REPEATED})
-    kw.update({name: getattr(sp, name) for name in _PLAIN})
+    kw = {name: getattr(sp, name) for name in OPTIONAL_SAMPLING_FIELDS if sp.HasField(name)}
+    kw.update({name: list(getattr(sp, name)) for name in REPEATED_SAMPLING_FIELDS})
+    kw.update({name: getattr(sp, name) for name in PLAIN_SAMPLING_FIELDS})
     try:
         params = SamplingParams(**kw)
     except ValueError as e:
-        raise ValueError(f"sampling_params.{e}") from None
+        raise InvalidRequestError(f"sampling_params.{e}") from None
     stream = req.stream_mode != pb.STREAM_MODE_FINAL
     if params.best_of > params.n:
         if req.stream_mode == pb.STREAM_MODE_DELTA:
-            raise ValueError("stream_mode: best_of > n picks the completions at the end; use STREAM_MODE_FINAL")
+            raise InvalidRequestError(
+                "stream_mode: best_of > n picks the completions at the end; use STREAM_MODE_FINAL")
         stream = False
     return ParsedRequest(text, ids, params, stream)
 
 
-# ---- server side: engine outputs -> responses ------------------------------------------------
 def _token_logprobs(token: int, entry: dict[int, Logprob], k: int) -> pb.TokenLogprobs:
     """``entry`` holds the top ``k`` tokens plus the chosen one (which may rank lower)."""
     chosen = entry[token]
@@ -140,7 +111,7 @@ class ResponseBuilder:
         if c.index in self.done or (not c.text and not c.token_ids and c.finish_reason is None):
             return
         d = resp.completions.add(index=c.index, text=c.text, token_ids=c.token_ids,
-                                 finish_reason=_FINISH[c.finish_reason])
+                                 finish_reason=FINISH_REASONS[c.finish_reason])
         if c.logprobs is not None:
             for token, entry in zip(c.token_ids, c.logprobs):
                 d.logprobs.append(_token_logprobs(token, entry, self.logprobs))
@@ -157,7 +128,7 @@ class ResponseBuilder:
     def _beams(self, resp: pb.GenerateResponse, out: BeamSearchOutput) -> pb.GenerateResponse:
         for i, b in enumerate(out.sequences):
             resp.completions.add(index=i, text=b.text or "", token_ids=b.tokens[self.prompt_len:],
-                                 finish_reason=_FINISH[b.finish_reason], cumulative_logprob=b.cum_logprob,
+                                 finish_reason=FINISH_REASONS[b.finish_reason], cumulative_logprob=b.cum_logprob,
                                  beam_score=b.score)
         resp.usage.prompt_tokens = self.prompt_len
         resp.usage.completion_tokens = sum(len(c.token_ids) for c in resp.completions)

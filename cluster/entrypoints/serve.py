@@ -1,7 +1,9 @@
 """``pagedserve serve``: start (or join) Ray, launch the replicas, serve gRPC until SIGTERM, then drain."""
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -9,20 +11,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
+import uvloop
 
-from pagedserve.cluster.engine_client import EngineClient
-from pagedserve.cluster.gateway import Gateway, ModelInfo
-from pagedserve.cluster.metrics import GatewayMetrics
-from pagedserve.cluster.replicas import launch_replicas, shutdown_replicas
-from pagedserve.config import EngineArgs
+from pagedserve.cluster.runtime.replicas import launch_replicas, shutdown_replicas
+from pagedserve.cluster.runtime.router import ReplicaRouter
+from pagedserve.cluster.server.gateway import Gateway
+from pagedserve.cluster.server.metrics import GatewayMetrics
+from pagedserve.cluster.server.servicer import ModelInfo
+from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.gc_heap import freeze_gc_heap
-from pagedserve.engine.llm_engine import load_tokenizer
+from pagedserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ServeOptions:
+    """The server's own options (the engine's are ``EngineArgs``)."""
+
     host: str = "0.0.0.0"
     port: int = 50051
     api_key: str | None = None
@@ -65,13 +71,14 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
             replicas = await launch
             return
         replicas = launch.result()
-        info = await replicas[0].actor.get_info.remote()
-        engine = EngineClient(replicas, tokenizer, info["tensor_parallel_size"])
+        infos = await asyncio.gather(*[r.actor.get_info.remote() for r in replicas])
+        engine = ReplicaRouter(replicas, tokenizer, infos)
         engine.start()
         freeze_gc_heap()
-        await gateway.set_ready(engine, ModelInfo(name, info, len(replicas)))
+        await gateway.set_ready(engine, ModelInfo(name, engine.info, len(replicas)))
         logger.info("ready: serving %s on %s:%d (%d replica(s), tensor_parallel_size=%d, %d KV blocks each)",
-                    name, opts.host, gateway.port, len(replicas), info["tensor_parallel_size"], info["num_kv_blocks"])
+                    name, opts.host, gateway.port, len(replicas), engine.info.tensor_parallel_size,
+                    engine.info.num_kv_blocks)
         if on_ready is not None:
             on_ready(gateway)
         await stop.wait()
@@ -84,3 +91,35 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
         if started_ray:
             ray.shutdown()
         logger.info("stopped")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    d = ServeOptions()
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port, help="gRPC port")
+    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require 'authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    g.add_argument("--ssl-certfile", default=None)
+    g.add_argument("--ssl-keyfile", default=None)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                   help="model replicas (each its own TP group)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="per replica; beyond it requests get RESOURCE_EXHAUSTED")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="seconds running requests get on SIGTERM")
+    g.add_argument("--served-model-name", default=None, help="the model_name label and GetModelInfo name")
+    g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0: off)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(p)
+    add_serve_args(p)
+
+
+def run(ns: argparse.Namespace) -> int:
+    opts = ServeOptions(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServeOptions)})
+    # uvloop: the gateway's event loop wakes for every streamed token, and each wake costs less CPU than in asyncio's
+    # own loop (CPU the engine shares on small hosts).
+    uvloop.run(serve(EngineArgs.from_cli_args(ns), opts))
+    return 0

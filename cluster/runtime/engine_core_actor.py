@@ -1,6 +1,7 @@
-"""The Ray-hosted scheduler: an async actor that owns one replica's ``EngineCore`` and runs its step loop.
+"""The engine-core actor: an async Ray actor that owns one replica's ``EngineCore`` (scheduler + executor) and
+runs its step loop.
 
-Gateways add requests by token ids and receive every step's ``EngineCoreOutput`` batch through one
+Gateways add processed requests (token ids) and receive every step's ``EngineCoreOutput`` batch through one
 long-lived Ray streaming generator per gateway (``output_stream``): a push path, one object per step.
 """
 from __future__ import annotations
@@ -13,24 +14,22 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import ray
+import torch
 
-from pagedserve.cluster.scheduler_metrics import SchedulerMetrics
-from pagedserve.config import EngineArgs
-from pagedserve.engine.core_output import EngineCoreOutput, make_core_output
+from pagedserve.cluster.runtime.core_metrics import EngineCoreMetrics
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.engine_core import EngineCore
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.engine.executor import RayPlacement, create_executor
+from pagedserve.errors import QueueFullError
+from pagedserve.outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
-WARMUP_ID = "__warmup__"
 T = TypeVar("T")
 
 
-class QueueFullError(RuntimeError):
-    """The replica's waiting queue is at --max-waiting-requests."""
-
-
-class SchedulerActor:
+class EngineCoreActor:
     """Everything that touches the engine core runs on one thread, in order: steps back to back, and the adds,
     aborts and stats reads that arrive meanwhile in between two steps. The event loop only routes outputs.
 
@@ -46,9 +45,8 @@ class SchedulerActor:
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         placement_group = ray.util.get_current_placement_group()  # read on the actor's thread (task context)
         self.core = self._engine_thread.submit(self._build_core, engine_args, num_threads, placement_group).result()
-        self.metrics = SchedulerMetrics(self.core)
+        self.metrics = EngineCoreMetrics(self.core)
         self.max_waiting_requests = max_waiting_requests
-        self.num_requests = 0
         self._owner: dict[str, str] = {}  # request id -> gateway (client) id; event loop only
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -57,19 +55,11 @@ class SchedulerActor:
 
     @staticmethod
     def _build_core(engine_args: EngineArgs, num_threads: int | None, placement_group) -> EngineCore:
-        import torch
-
         if num_threads:
             torch.set_num_threads(num_threads)
-        config = engine_args.create_engine_config()
-        executor_cls = None
-        pc = config.parallel_config
-        if pc.tensor_parallel_size > 1 or pc.distributed_executor_backend == "ray":
-            from pagedserve.cluster.ray_executor import RayExecutor
-
-            def executor_cls(cfg):  # the ranks sit in bundles 1..tp of this actor's group
-                return RayExecutor(cfg, placement_group=placement_group, first_bundle=1)
-        return EngineCore(config, executor_cls)
+        # With tensor parallelism the ranks sit in bundles 1..tp of this actor's placement group.
+        placement = RayPlacement(placement_group, first_bundle=1)
+        return EngineCore(engine_args.create_engine_config(), lambda cfg: create_executor(cfg, placement))
 
     # ---- the engine thread -------------------------------------------------------------------------------------
     async def _on_engine(self, fn: Callable[..., T], *args) -> T:
@@ -92,16 +82,15 @@ class SchedulerActor:
             self.metrics.on_step(outputs, self.core.last_step)
         except Exception as e:  # a bug, not a worker death (the core recovers from those)
             logger.exception("engine step failed; failing the running requests")
-            outputs = [make_core_output(u, f"engine step failed: {e}") for u in self.core.scheduler.fail_all()]
+            outputs = self.core.scheduler.fail_all(f"engine step failed: {e}")
         if outputs:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
         self._engine_thread.submit(self._step)
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams,
-             cache_salt: str | None) -> None:
+    def _add(self, request: EngineCoreRequest) -> None:
         if self.max_waiting_requests is not None and len(self.core.scheduler.waiting) >= self.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
-        self.metrics.track(self.core.add_request(request_id, prompt_token_ids, params, cache_salt))
+        self.metrics.track(self.core.add_request(request))
         self._kick()
 
     def _abort(self, request_ids: list[str]) -> list[str]:
@@ -113,29 +102,18 @@ class SchedulerActor:
         self.core.stop_sequence(request_id, index)
         self.metrics.reap()
 
-    def _warmup(self) -> None:
-        if self.core.has_unfinished_requests():  # serving already (a gateway checking a restarted replica)
-            return
-        eos = self.core.config.model_config.eos_token_ids
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        self.core.add_request(WARMUP_ID, [eos[0] if eos else 0], params)
-        while self.core.has_unfinished_requests():
-            self.core.step()
-
     # ---- the event loop ----------------------------------------------------------------------------------------
     def _queue(self, client_id: str) -> asyncio.Queue:
         return self._queues.setdefault(client_id, asyncio.Queue())
 
-    async def add_request(self, client_id: str, request_id: str, prompt_token_ids: list[int],
-                          params: SamplingParams | BeamSearchParams, cache_salt: str | None = None) -> None:
+    async def add_request(self, client_id: str, request: EngineCoreRequest) -> None:
         self._queue(client_id)
-        self._owner[request_id] = client_id
+        self._owner[request.request_id] = client_id
         try:
-            await self._on_engine(self._add, request_id, prompt_token_ids, params, cache_salt)
+            await self._on_engine(self._add, request)
         except BaseException:
-            self._owner.pop(request_id, None)
+            self._owner.pop(request.request_id, None)
             raise
-        self.num_requests += 1
 
     async def abort(self, request_ids: list[str]) -> list[str]:
         """Abort requests; returns those that were running. Their blocks are free once this returns."""
@@ -171,21 +149,15 @@ class SchedulerActor:
             self._queues[client].put_nowait(batch)
 
     async def warmup(self) -> None:
-        """Run one tiny request through the whole path (the health check turns SERVING after this)."""
-        await self._on_engine(self._warmup)
+        """Run one tiny request through the whole path (the health check turns SERVING after this); a no-op on a
+        replica that is serving already (a gateway checking a restarted replica)."""
+        await self._on_engine(self.core.warmup)
 
-    def get_info(self) -> dict:
-        cfg = self.core.config
-        return {"model": cfg.model_config.model, "architecture": cfg.model_config.architecture,
-                "max_model_len": self.core.max_model_len, "vocab_size": self.core.vocab_size,
-                "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
-                "block_size": cfg.cache_config.block_size, "num_kv_blocks": cfg.cache_config.num_blocks,
-                "eos_token_ids": list(cfg.model_config.eos_token_ids),
-                "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
-                "enable_prefix_caching": cfg.cache_config.enable_prefix_caching}
+    def get_info(self) -> EngineInfo:
+        return self.core.get_info()
 
-    async def get_stats(self) -> dict:
-        return {**await self._on_engine(self.core.get_stats), "num_requests": self.num_requests}
+    async def get_stats(self) -> EngineStats:
+        return await self._on_engine(self.core.get_stats)
 
     async def get_metrics(self) -> list:
         """Prometheus metric families measured here (the gateway's /metrics serves them)."""
@@ -199,8 +171,7 @@ class SchedulerActor:
 
     def worker_pids(self) -> list[int]:
         """Process ids of the TP worker actors (empty when the model runs in this actor)."""
-        workers = getattr(self.core.executor, "workers", None) or []
-        return ray.get([w.pid.remote() for w in workers])
+        return self.core.executor.worker_pids()
 
     async def shutdown(self) -> None:
         def stop() -> None:

@@ -1,5 +1,5 @@
 """Start the model replicas of a serving cluster: per replica one placement group (STRICT_PACK, so a replica never
-spans nodes) holding its scheduler actor and, with tensor parallelism, one bundle per TP rank."""
+spans nodes) holding its engine-core actor and, with tensor parallelism, one bundle per TP rank."""
 from __future__ import annotations
 
 import logging
@@ -10,14 +10,14 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve.cluster.ray_executor import ensure_ray, make_placement_group, rank_bundle, rank_cpus
-from pagedserve.cluster.scheduler_actor import SchedulerActor
-from pagedserve.config import EngineArgs
+from pagedserve.cluster.runtime.engine_core_actor import EngineCoreActor
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.executor.ray_utils import ensure_ray, make_placement_group, rank_bundle, rank_cpus
 
 logger = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3
-SCHEDULER_CPUS = 0.05  # the scheduler actor of a TP group; its ranks hold the real CPUs
+CORE_ACTOR_CPUS = 0.05  # the engine-core actor of a TP group; its ranks hold the real CPUs
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Replica:
     placement_group: object
 
     def node_ids(self) -> list[str]:
-        """The node of each bundle: [scheduler actor (= rank 0 without TP), rank 0, ...]."""
+        """The node of each bundle: [engine-core actor (= rank 0 without TP), rank 0, ...]."""
         return list(ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"].values())
 
 
@@ -40,22 +40,22 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1,
     ensure_ray(args.ray_address)
     tp = config.parallel_config.tensor_parallel_size
     gpu = config.device == "cuda"
-    in_actor = tp == 1 and config.parallel_config.distributed_executor_backend != "ray"
+    in_actor = config.parallel_config.distributed_executor_backend == "uni"
     replicas = []
     try:
         for i in range(data_parallel_size):
-            if in_actor:  # the model runs inside the scheduler actor
+            if in_actor:  # the model runs inside the engine-core actor
                 cpu = rank_cpus(data_parallel_size, gpu)
                 bundles = [rank_bundle(cpu, gpu)]
                 opts = {"num_cpus": cpu, "num_gpus": 1 if gpu else 0}
             else:
-                cpu = rank_cpus(tp * data_parallel_size, gpu, SCHEDULER_CPUS * data_parallel_size)
-                bundles = [{"CPU": SCHEDULER_CPUS}] + [rank_bundle(cpu, gpu)] * tp
-                opts = {"num_cpus": SCHEDULER_CPUS}
+                cpu = rank_cpus(tp * data_parallel_size, gpu, CORE_ACTOR_CPUS * data_parallel_size)
+                bundles = [{"CPU": CORE_ACTOR_CPUS}] + [rank_bundle(cpu, gpu)] * tp
+                opts = {"num_cpus": CORE_ACTOR_CPUS}
             pg = make_placement_group(bundles)
             threads = max(1, (os.cpu_count() or 1) // data_parallel_size) if in_actor else 1
-            actor = ray.remote(SchedulerActor).options(
-                # Ray restarts a dead scheduler (its TP workers die with it and are rebuilt by the new one).
+            actor = ray.remote(EngineCoreActor).options(
+                # Ray restarts a dead engine-core actor (its TP workers die with it; the new one rebuilds them).
                 **opts, max_concurrency=10_000, max_restarts=MAX_RESTARTS,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                      placement_group_bundle_index=0,

@@ -1,4 +1,4 @@
-"""A gateway run by ``serve()`` on its own event loop in a background thread (``pagedserve demo``, tests)."""
+"""Test harness: a gateway run by ``serve()`` on its own event loop in a background thread."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +8,8 @@ import threading
 import uvloop
 
 from pagedserve.cluster.client import Client
-from pagedserve.cluster.serve import ServeOptions, serve
-from pagedserve.config import EngineArgs
+from pagedserve.cluster.entrypoints.serve import ServeOptions, serve
+from pagedserve.engine.arg_utils import EngineArgs
 
 
 def free_port() -> int:
@@ -50,7 +50,7 @@ class ServerThread:
     def client(self, **kw) -> Client:
         return Client(self.target, **kw)
 
-    def start(self, timeout: float = 120.0, **client_kw) -> "ServerThread":
+    def start(self, timeout: float = 120.0, **client_kw) -> ServerThread:
         self._thread.start()
 
         def check() -> None:

@@ -1,0 +1,135 @@
+"""The ``pagedserve.v1.GenerationService`` implementation: parses requests, runs them through the engine client
+and streams the responses back, mapping each error type to its status code."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from pagedserve.cluster.server.metrics import GatewayMetrics
+from pagedserve.cluster.server.protocol import ResponseBuilder, params_from_proto
+from pagedserve.engine.core_types import EngineInfo
+from pagedserve.engine.protocol import EngineClient
+from pagedserve.errors import EngineUnavailableError, InvalidRequestError, QueueFullError
+from pagedserve.proto.fields import FINISH_NAMES
+from pagedserve.proto.v1 import generation_pb2 as pb
+from pagedserve.proto.v1 import generation_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    info: EngineInfo
+    data_parallel_size: int
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self, tokenizer, metrics: GatewayMetrics) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.engine: EngineClient | None = None  # set once the replicas are up
+        self.model: ModelInfo | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def _ready_engine(self) -> EngineClient:
+        if self.draining:
+            raise EngineUnavailableError("the server is shutting down")
+        if self.engine is None:
+            raise EngineUnavailableError("the model is still loading")
+        return self.engine
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        self.in_flight += 1
+        self.idle.clear()
+        timer = self.metrics.request()
+        admitted = finished = False
+        code = None
+        try:
+            engine = self._ready_engine()
+            parsed = params_from_proto(request)
+            rid = request.request_id or uuid.uuid4().hex
+            prompt = parsed.prompt if parsed.prompt_token_ids is None else parsed.prompt_token_ids
+            text, core_request = await engine.process(rid, prompt, parsed.params, request.cache_salt or None)
+            num_prompt_tokens = len(core_request.prompt_token_ids)
+            lp = getattr(parsed.params, "logprobs", None) or 0
+            plp = getattr(parsed.params, "prompt_logprobs", None) or 0
+            builder = ResponseBuilder(rid, num_prompt_tokens, lp, plp)
+            async for out in engine.generate(text, core_request, parsed.stream):
+                if not admitted:
+                    admitted = True
+                    timer.admitted(num_prompt_tokens)
+                resp = builder.build(out)
+                timer.tokens(sum(len(c.token_ids) for c in resp.completions))
+                if out.finished:
+                    finished = True
+                    timer.finished(_finish_reason(resp))
+                yield resp
+        except InvalidRequestError as e:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(e))
+        except QueueFullError as e:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            await context.abort(code, str(e))
+        except EngineUnavailableError as e:
+            code = grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, str(e))
+        except Exception as e:  # a bug: say what, not a traceback
+            logger.exception("Generate failed")
+            code = grpc.StatusCode.INTERNAL
+            await context.abort(code, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            if code is not None:
+                timer.error(code.name)
+            if admitted and not finished:  # cancelled or deadline (abort), or failed (error)
+                timer.finished("error" if code is not None else "abort")
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        ids = self.tokenizer.encode(request.text) if request.text else []
+        return pb.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        vocab = len(self.tokenizer)
+        bad = [t for t in request.token_ids if t >= vocab]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
+        try:
+            engine = self._ready_engine()
+        except EngineUnavailableError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        m, info = self.model, self.model.info
+        stats = await engine.get_stats()
+        total = sum(s.kv_blocks_total for s in stats)
+        free = sum(s.kv_blocks_free for s in stats)
+        return pb.GetModelInfoResponse(
+            model_name=m.name, architecture=info.architecture, max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size, tensor_parallel_size=info.tensor_parallel_size,
+            data_parallel_size=m.data_parallel_size, block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
+            num_free_kv_blocks=free, kv_cache_usage=1.0 - free / total if total else 0.0,
+            num_running_requests=sum(s.num_running for s in stats),
+            num_waiting_requests=sum(s.num_waiting for s in stats),
+            eos_token_ids=list(info.eos_token_ids), dtype=info.dtype)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        found = self.engine is not None and await self.engine.abort(request.request_id)
+        return pb.AbortResponse(found=found)
+
+
+def _finish_reason(resp: pb.GenerateResponse) -> str:
+    reasons = [FINISH_NAMES[c.finish_reason] for c in resp.completions if c.finish_reason]
+    return reasons[0] if reasons else "stop"

@@ -1,0 +1,131 @@
+"""``EngineArgs``: the flat, user-facing engine options (vLLM's names), their one set of defaults, the CLI flags
+generated from them, and their resolution into an ``EngineConfig``."""
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+
+import torch
+
+from pagedserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    check_tensor_parallel,
+    default_model_dir,
+)
+from pagedserve.kernels import BACKENDS, default_backend
+from pagedserve.worker.models.registry import check_architecture
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def _arg(default, help: str, **cli):
+    """A field with its CLI help; ``cli`` may hold ``choices`` and ``aliases`` (extra flag names)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = _arg(None, "local Hugging Face model dir (default: the bundled demo model)")
+    tokenizer: str | None = _arg(None, "tokenizer dir (default: the model dir)")
+    skip_tokenizer_init: bool = _arg(False, "token ids in, token ids out (no text)")
+    tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (Ray worker actors)", aliases=["-tp"])
+    dtype: str = _arg("auto", "model and KV-cache dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    device: str = _arg("auto", "auto: cuda when available, else cpu", choices=["auto", "cpu", "cuda"])
+    seed: int = _arg(0, "engine seed (per-request seeds come from the sampling parameters)")
+    block_size: int = _arg(16, "tokens per KV-cache block", choices=list(BLOCK_SIZES))
+    max_num_seqs: int = _arg(256, "sequences per step at most")
+    max_num_batched_tokens: int | None = _arg(None, "tokens per step at most (default 2048)")
+    max_model_len: int | None = _arg(None, "context length (default: the model's)")
+    kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (default: profiled on GPU, 20%% of free RAM "
+                                             "on CPU)")
+    num_gpu_blocks_override: int | None = _arg(None, "KV-cache blocks, overriding the memory-based count")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over steps")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
+    preemption_mode: str | None = _arg(None, "default: swap for multi-sequence requests, else recompute",
+                                       choices=["recompute", "swap"])
+    swap_space: float = _arg(4.0, "GiB of CPU swap space per worker")
+    enable_block_sharing: bool = _arg(True, "share KV blocks between forked sequences (off: the copying baseline)")
+    attention_backend: str | None = _arg(None, "default: triton on CUDA, cpu on CPU", choices=sorted(BACKENDS))
+    distributed_executor_backend: str | None = _arg(
+        None, "ray: TP worker actors (the default when --tensor-parallel-size > 1); uni: in process",
+        choices=["ray", "uni"])
+    ray_address: str | None = _arg(None, "join this Ray cluster (default: RAY_ADDRESS, else start one)")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field (``--max-num-seqs``; booleans as ``--x/--no-x``), defaults from the fields."""
+        group = parser.add_argument_group("engine")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            kind = typing.get_args(hints[f.name]) or (hints[f.name],)
+            kind = next(t for t in kind if t is not type(None))
+            names = [f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", [])]
+            kw = {"default": f.default if f.default is not MISSING else None, "help": f.metadata["help"]}
+            if kind is bool:
+                group.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+            else:
+                group.add_argument(*names, type=kind, choices=f.metadata.get("choices"), **kw)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{k: v for k, v in vars(ns).items() if k in cls.field_names()})
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve and check everything; raises ValueError before any worker starts."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {self.block_size}")
+        for name in ("max_num_seqs", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        backend = self.attention_backend or default_backend(device)
+        if backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+        executor = self.distributed_executor_backend
+        if executor not in (None, "ray", "uni"):
+            raise ValueError(f"distributed_executor_backend must be 'ray' or 'uni', got {executor!r}")
+        if executor is None:
+            executor = "ray" if self.tensor_parallel_size > 1 else "uni"
+        elif executor == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs tensor_parallel_size=1 only")
+        model_config = ModelConfig.from_dir(self.model or default_model_dir(), self.dtype, self.max_model_len,
+                                            torch.device(device))
+        check_architecture(model_config.hf_config)
+        check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
+        max_len = model_config.max_model_len
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 2048 if self.enable_chunked_prefill else max(2048, max_len)
+        if not self.enable_chunked_prefill and batched < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) must be at least max_model_len ({max_len}) "
+                "when chunked prefill is disabled")
+        if batched < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {batched}")
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space,
+                enable_block_sharing=self.enable_block_sharing),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_len,
+                enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.ray_address),
+            device=device, seed=self.seed, attention_backend=backend)

@@ -1,0 +1,62 @@
+"""Plain data between the engine core and its users: the request it queues, what it reports about itself."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """A validated request in token ids, as the engine core queues it (``InputProcessor`` makes these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # per step; for beam search the greedy step that returns top-k logprobs
+    beam_params: BeamSearchParams | None = None
+    cache_salt: str | None = None
+
+    @property
+    def params(self) -> SamplingParams | BeamSearchParams:
+        """The parameters as the user gave them (what the output processor needs)."""
+        return self.beam_params if self.beam_params is not None else self.sampling_params
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What does not change while an engine runs; the input processor validates against it."""
+
+    model: str
+    architecture: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tensor_parallel_size: int
+    block_size: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool
+
+
+@dataclass
+class EngineStats:
+    """Scheduler and KV-cache state and counters since start (counters only grow)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_blocks_total: int
+    kv_blocks_free: int  # free, or holding only evictable cached prefixes
+    kv_blocks_shared: int
+    kv_usage: float  # 0..1
+    num_requests: int  # added by users (the warm-up request is not one)
+    copy_on_write: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int
+    preemptions_recompute: int
+    preemptions_swap: int
+    swapped_in_blocks: int
+    swapped_out_blocks: int
+    scheduled_tokens: int
+    steps: int
+    num_worker_restarts: int

@@ -1,0 +1,15 @@
+"""The one place that picks an executor for a configuration."""
+from __future__ import annotations
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.executor.base import Executor, RayPlacement
+from pagedserve.engine.executor.ray_executor import RayExecutor
+from pagedserve.engine.executor.uniproc import UniProcExecutor
+
+
+def create_executor(config: EngineConfig, placement: RayPlacement | None = None) -> Executor:
+    """Ray worker actors when ``distributed_executor_backend`` resolved to "ray" (tensor parallelism), else the
+    model in this process."""
+    if config.parallel_config.distributed_executor_backend == "ray":
+        return RayExecutor(config, placement)
+    return UniProcExecutor(config)

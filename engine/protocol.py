@@ -1,0 +1,40 @@
+"""``EngineClient``: what a server protocol (gRPC today, HTTP next) needs from the engine, wherever the engine
+runs. The server room codes against this; the serving runtime's router over Ray replicas implements it."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+
+from prometheus_client.core import Metric
+
+from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
+from pagedserve.engine.input_processor import PromptType
+from pagedserve.outputs import BeamSearchOutput, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+
+class EngineClient(ABC):
+    info: EngineInfo  # of the engine (for several replicas: the smallest KV pool)
+
+    @abstractmethod
+    async def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
+                      cache_salt: str | None = None) -> tuple[str | None, EngineCoreRequest]:
+        """Tokenize and validate (the one intake path); raises InvalidRequestError naming the field."""
+
+    @abstractmethod
+    def generate(self, prompt: str | None, request: EngineCoreRequest,
+                 stream: bool = True) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
+        """Run a processed request: its delta outputs (every step's when ``stream``, else the final one). Raises
+        QueueFullError or EngineUnavailableError; closing the iterator early aborts the request."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """End a running request (its stream ends with finish reason "abort"); False if it is not running."""
+
+    @abstractmethod
+    async def get_stats(self) -> list[EngineStats]:
+        """One per live replica."""
+
+    @abstractmethod
+    def collect_metrics(self) -> list[Metric]:
+        """The engines' Prometheus metric families, for the server's /metrics (called on the scrape thread)."""

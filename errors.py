@@ -1,0 +1,24 @@
+"""Errors that cross layers. Each is raised in one layer and caught by type in another (never by name or message),
+and each maps to one client-facing status: the gRPC code and the HTTP status of the server room."""
+from __future__ import annotations
+
+
+class PagedServeError(Exception):
+    """Base of the errors below."""
+
+
+class InvalidRequestError(PagedServeError, ValueError):
+    """A request that can never run as sent: bad parameters, a prompt that does not fit. Nothing was allocated.
+    A ``ValueError`` too, as vLLM raises for bad sampling parameters."""
+
+
+class QueueFullError(PagedServeError):
+    """A replica's waiting queue is at ``--max-waiting-requests``: retry later."""
+
+
+class EngineUnavailableError(PagedServeError):
+    """No engine can take or finish the request now: loading, draining, or its replica failed."""
+
+
+class WorkerFailedError(PagedServeError):
+    """A tensor-parallel worker died; the whole group is unusable until rebuilt."""
