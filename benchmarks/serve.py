@@ -3,7 +3,7 @@
     python benchmarks/serve.py [--model bench-llama-58m] [--num-prompts 100] [--rates 1 2 4 inf] [--pairs 3]
                                [--prometheus]
 
-Starts `pagedserve serve` as its own process (Ray, scheduler actor, gateway), sends the sharegpt-like requests as
+Starts `pagedserve serve` as its own process (Ray, engine-core actor, gateway), sends the sharegpt-like requests as
 token ids with Poisson arrivals at each rate (and all at once for `inf`), and measures with vLLM's `bench serve`
 definitions: TTFT, TPOT (first token excluded), ITL (every gap between streamed chunks) and end-to-end latency
 (mean, p50, p90, p99), request and output-token throughput. The client runs on uvloop, as a load generator should.
@@ -11,7 +11,7 @@ definitions: TTFT, TPOT (first token excluded), ITL (every gap between streamed 
 The gateway's overhead is measured at infinite rate as the median of --pairs back-to-back pairs, each the same
 requests (fresh token ids per pair) over gRPC and then through the offline `LLM` in this process. This machine's
 speed drifts by several percent within minutes, so only runs side by side are compared. Before the server starts,
-as many pairs of scheduler actor over Ray (no gateway) and offline split the loss between the two.
+as many pairs of engine-core actor over Ray (no gateway) and offline split the loss between the two.
 With --prometheus, a local Prometheus scrapes the gateway during the run and the dashboard's key panels are
 rendered to deploy/grafana/dashboard.png. Results: benchmarks/results/serve.{json,png}.
 """
@@ -140,24 +140,27 @@ class Offline:
 
 def actor_direct_pairs(model_dir: str, wl: Workload, max_num_seqs: int, device: str, offline: Offline,
                        pairs: int) -> list[dict]:
-    """The requests straight into a scheduler actor (this process's own Ray instance) and its output stream, no
+    """The requests straight into an engine-core actor (this process's own Ray instance) and its output stream, no
     gateway, each run followed by the offline engine on the same requests."""
     import ray
 
     from pagedserve import SamplingParams
     from pagedserve.cluster.runtime.replicas import launch_replicas, shutdown_replicas
     from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.input_processor import InputProcessor
 
     ray.init(log_to_driver=False, include_dashboard=False)
     replicas = launch_replicas(EngineArgs(model=model_dir, max_num_seqs=max_num_seqs, device=device))
     actor = replicas[0].actor
+    processor = InputProcessor(None, ray.get(actor.get_info.remote()))
 
     async def go(w: Workload, k: int) -> float:
         client = f"bench{k}"
+        requests = [processor.process(f"{k}-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[1]
+                    for i, (p, n) in enumerate(zip(w.prompts, w.output_lens))]
         stream = actor.output_stream.options(num_returns="streaming").remote(client)
         t = time.perf_counter()
-        await asyncio.gather(*[actor.add_request.remote(client, f"{k}-{i}", p, SamplingParams(
-            temperature=0, max_tokens=n, ignore_eos=True)) for i, (p, n) in enumerate(zip(w.prompts, w.output_lens))])
+        await asyncio.gather(*[actor.add_request.remote(client, r) for r in requests])
         finished = 0
         async for ref in stream:
             finished += sum(out.finished for out in await ref)
@@ -169,7 +172,7 @@ def actor_direct_pairs(model_dir: str, wl: Workload, max_num_seqs: int, device: 
         for k in range(pairs):
             w = fresh_tokens(wl, 200 + k)
             out.append({"actor_direct_output_tok_s": uvloop.run(go(w, k)), "offline_output_tok_s": offline.run(w)})
-            print(f"  pair {k}: scheduler actor {out[-1]['actor_direct_output_tok_s']:.1f}, "
+            print(f"  pair {k}: engine-core actor {out[-1]['actor_direct_output_tok_s']:.1f}, "
                   f"offline {out[-1]['offline_output_tok_s']:.1f} out tok/s")
     finally:
         shutdown_replicas(replicas)
@@ -237,7 +240,7 @@ def main() -> None:
 
     offline = Offline(model_dir, args.max_num_seqs, args.device)
     offline.run(fresh_tokens(Workload("warmup", wl.prompts[:4], [8] * 4), 1))
-    print(f"scheduler actor over Ray without the gateway vs offline, {args.pairs} pairs:")
+    print(f"engine-core actor over Ray without the gateway vs offline, {args.pairs} pairs:")
     direct = actor_direct_pairs(model_dir, wl, args.max_num_seqs, args.device, offline, args.pairs)
 
     log = os.path.join(tempfile.gettempdir(), f"{args.out}-server.log")

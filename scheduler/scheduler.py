@@ -91,10 +91,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
     def _release(self, seq: Sequence, status: RequestStatus) -> None:
         self.block_manager.free(seq)
         seq.status = status

@@ -15,8 +15,6 @@ PROMETHEUS_CONFIG_PATH = os.path.join(DEPLOY_DIR, "prometheus", "prometheus.yml"
 ALERTS_PATH = os.path.join(DEPLOY_DIR, "prometheus", "alerts.yml")
 ALERTS_TEST_PATH = os.path.join(DEPLOY_DIR, "prometheus", "alerts_test.yml")
 
-# Grafana's built-in interval variables, as a query at the given step would see them.
-GRAFANA_BUILTINS = ("__rate_interval", "__interval", "__range")
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",
             "offset", "inf", "nan", "atan2"}
 _COMPARISON = ("==", "!=", ">=", "<=", ">", "<")
@@ -26,11 +24,8 @@ _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 @dataclass
 class PanelQuery:
     panel: str  # panel title
-    panel_type: str
     ref_id: str
     expr: str  # as written in the dashboard, with Grafana variables
-    legend: str
-    instant: bool
 
 
 def load_dashboard(path: str = DASHBOARD_PATH) -> dict:
@@ -49,8 +44,7 @@ def iter_panels(dashboard: dict) -> Iterator[dict]:
 
 def dashboard_queries(dashboard: dict | None = None) -> list[PanelQuery]:
     dashboard = dashboard or load_dashboard()
-    return [PanelQuery(p.get("title", ""), p.get("type", ""), t.get("refId", ""), t["expr"],
-                       t.get("legendFormat", ""), bool(t.get("instant")) and not t.get("range"))
+    return [PanelQuery(p.get("title", ""), t.get("refId", ""), t["expr"])
             for p in iter_panels(dashboard) for t in p.get("targets", []) if t.get("expr")]
 
 

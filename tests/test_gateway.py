@@ -1,4 +1,4 @@
-"""The gRPC gateway over loopback, with real Ray scheduler actors: equality with the offline engine,
+"""The gRPC gateway over loopback, with real Ray engine-core actors: equality with the offline engine,
 cancellation, status codes, health, reflection, abort."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""API key, TLS, a full waiting queue, and a scheduler actor that dies: each gets its status code, and the
+"""API key, TLS, a full waiting queue, and an engine-core actor that dies: each gets its status code, and the
 server keeps serving."""
 from __future__ import annotations
 

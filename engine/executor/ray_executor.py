@@ -46,14 +46,9 @@ class RayWorker:
     def init_worker(self, init_method: str) -> None:
         self.worker = Worker(self.config, self.rank, init_method, local_rank=0)
 
-    def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
-
-    def num_cpu_blocks(self) -> int:
-        return self.worker.num_cpu_blocks()
-
-    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.worker.init_kv_cache(num_blocks, num_cpu_blocks)
+    def execute_method(self, method: str, *args):
+        """Call a ``Worker`` method in this rank (set-up calls; steps go through ``execute_model``)."""
+        return getattr(self.worker, method)(*args)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         out = self.worker.execute_model(sched)
@@ -90,7 +85,8 @@ class RayExecutor(Executor):
         ray.get([w.init_worker.remote(f"tcp://{ip}:{port}") for w in self.workers])
 
     def _all(self, method: str, *args):
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        """A ``Worker`` method on every rank; their results in rank order."""
+        return ray.get([w.execute_method.remote(method, *args) for w in self.workers])
 
     def determine_num_blocks(self) -> int:
         return min(self._all("determine_num_blocks"))  # every rank must hold every block
@@ -120,7 +116,7 @@ class RayExecutor(Executor):
             raise WorkerFailedError(f"tensor-parallel worker failed: {type(e).__name__}: {e}") from e
 
     def worker_pids(self) -> list[int]:
-        return self._all("pid")
+        return ray.get([w.pid.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         for w in self.workers:

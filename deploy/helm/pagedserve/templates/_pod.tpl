@@ -1,0 +1,193 @@
+{{/* Pieces of the pod that runs `pagedserve serve`: the single-node server, or the KubeRay head. */}}
+
+{{- define "pagedserve.modelDir" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "image" -}}{{ $m.path }}
+{{- else if eq $m.source "pvc" -}}{{ trimSuffix "/" (printf "%s/%s" $m.mountPath (trimPrefix "/" $m.path)) }}
+{{- end -}}
+{{- end -}}
+
+{{/* The arguments after the entrypoint `pagedserve`, one list item each. */}}
+{{- define "pagedserve.serveArgs" -}}
+{{- $v := .Values -}}
+{{- $e := $v.engine -}}
+- --log-level={{ $v.server.logLevel }}
+- serve
+- --host=0.0.0.0
+- --port={{ $v.server.grpcPort }}
+- --metrics-port={{ $v.server.metricsPort }}
+{{- if $v.server.httpApi.enabled }}
+- --http-port={{ $v.server.httpApi.port }}
+{{- end }}
+{{- with include "pagedserve.modelDir" . }}
+- --model={{ . }}
+{{- end }}
+{{- with $v.model.servedModelName }}
+- --served-model-name={{ . }}
+{{- end }}
+- --device={{ include "pagedserve.device" . }}
+{{- if ne $e.dtype "auto" }}
+- --dtype={{ $e.dtype }}
+{{- end }}
+- --tensor-parallel-size={{ $e.tensorParallelSize }}
+- --data-parallel-size={{ $e.dataParallelSize }}
+{{- with $e.maxModelLen }}
+- --max-model-len={{ . }}
+{{- end }}
+{{- with $e.maxNumSeqs }}
+- --max-num-seqs={{ . }}
+{{- end }}
+{{- with $e.maxWaitingRequests }}
+- --max-waiting-requests={{ . }}
+{{- end }}
+- --drain-timeout={{ $e.drainTimeout }}
+{{- if $v.tls.enabled }}
+- --ssl-certfile=/etc/pagedserve/tls/tls.crt
+- --ssl-keyfile=/etc/pagedserve/tls/tls.key
+{{- end }}
+{{- range $e.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "pagedserve.env" -}}
+{{- with .Values.apiKey.existingSecret }}
+- name: PAGEDSERVE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.apiKey.secretKey }}
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "pagedserve.gatewayPorts" -}}
+- name: grpc
+  containerPort: {{ .Values.server.grpcPort }}
+  protocol: TCP
+{{- if .Values.server.httpApi.enabled }}
+- name: http
+  containerPort: {{ .Values.server.httpApi.port }}
+  protocol: TCP
+{{- end }}
+- name: metrics
+  containerPort: {{ .Values.server.metricsPort }}
+  protocol: TCP
+{{- end -}}
+
+{{/* What every probe runs: the gRPC health check (natively or through the CLI under TLS), or GET /health. */}}
+{{- define "pagedserve.probeAction" -}}
+{{- $v := .Values -}}
+{{- if eq $v.probes.handler "http" -}}
+httpGet:
+  path: /health
+  port: http
+  scheme: {{ if $v.tls.enabled }}HTTPS{{ else }}HTTP{{ end }}
+{{- else if and $v.tls.enabled (eq $v.tls.probeMode "exec") -}}
+exec:
+  command:
+    - env
+    - GRPC_DEFAULT_SSL_ROOTS_FILE_PATH=/etc/pagedserve/tls/{{ $v.tls.caKey }}
+    - pagedserve
+    - health
+    - --server=localhost:{{ $v.server.grpcPort }}
+    - --tls
+{{- else -}}
+grpc:
+  port: {{ $v.server.grpcPort }}
+  {{- if $v.tls.enabled }}
+  mode: TLS
+  {{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagedserve.probes" -}}
+{{- $action := include "pagedserve.probeAction" . -}}
+{{- range $name, $probe := dict "startupProbe" .Values.probes.startup "readinessProbe" .Values.probes.readiness "livenessProbe" .Values.probes.liveness }}
+{{ $name }}:
+  {{- $action | nindent 2 }}
+  {{- toYaml $probe | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Volumes of a pod; pass (dict "ctx" $ "gateway" true|false). */}}
+{{- define "pagedserve.volumes" -}}
+{{- $v := .ctx.Values -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ $v.shm.sizeLimit }}
+# The CPU attention kernel is built with -march=native at first start: a cache per pod, never shared across nodes.
+- name: kernel-cache
+  emptyDir: {}
+{{- if eq $v.model.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ $v.model.pvc.claimName }}
+    readOnly: true
+{{- end }}
+{{- if and .gateway $v.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ $v.tls.existingSecret }}
+{{- end }}
+{{- end -}}
+
+{{- define "pagedserve.volumeMounts" -}}
+{{- $v := .ctx.Values -}}
+- name: dshm
+  mountPath: /dev/shm
+- name: kernel-cache
+  mountPath: /var/cache/pagedserve/torch_extensions
+{{- if eq $v.model.source "pvc" }}
+- name: model
+  mountPath: {{ $v.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if and .gateway $v.tls.enabled }}
+- name: tls
+  mountPath: /etc/pagedserve/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Scheduling and security fields shared by every pod; pass (dict "ctx" $ "group" <values with nodeSelector, tolerations, affinity>). */}}
+{{- define "pagedserve.podSpecCommon" -}}
+{{- $v := .ctx.Values -}}
+automountServiceAccountToken: false
+terminationGracePeriodSeconds: {{ include "pagedserve.terminationGracePeriodSeconds" .ctx }}
+{{- with $v.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with $v.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml $v.podSecurityContext | nindent 2 }}
+{{- with .group.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .group.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .group.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* resources with the GPU limit added; pass (dict "resources" <map> "gpus" N "ctx" $). */}}
+{{- define "pagedserve.resources" -}}
+{{- $res := deepCopy (default dict .resources) -}}
+{{- if and .ctx.Values.gpu.enabled (gt (int .gpus) 0) -}}
+{{- $limits := default dict $res.limits -}}
+{{- $_ := set $limits .ctx.Values.gpu.resourceName (int .gpus) -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
