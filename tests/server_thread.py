@@ -45,7 +45,7 @@ class ServerThread:
 
     @property
     def replicas(self):
-        return self.gateway.servicer.engine.replicas
+        return self.gateway.state.engine.replicas
 
     def client(self, **kw) -> Client:
         return Client(self.target, **kw)

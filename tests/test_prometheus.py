@@ -208,7 +208,7 @@ def test_dashboard_variables_resolve(stack):
         metric, label = [x.strip() for x in q[q.index("(") + 1:q.rindex(")")].split(",")]
         values = {r["metric"][label] for r in prom.query(metric)}
         assert values, f"variable {name}: {q} has no values"
-    model = srv.gateway.servicer.model.name
+    model = srv.gateway.state.model.name
     # The panels filtered to the one model (not "All") still have data.
     q = next(q for q in promql.dashboard_queries() if q.panel == "Time to first token")
     assert prom.query(promql.substitute(q.expr, model_name=model))

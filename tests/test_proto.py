@@ -5,7 +5,7 @@ import os
 import re
 
 from pagedserve.cluster.client import build_request
-from pagedserve.cluster.server.protocol import check_fields, params_from_proto
+from pagedserve.cluster.server.grpc_api.protocol import check_fields, params_from_proto
 from pagedserve.proto import generate as gen
 
 # Version stamps differ between grpcio-tools releases without changing the stubs' meaning.

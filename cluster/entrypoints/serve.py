@@ -17,7 +17,7 @@ from pagedserve.cluster.runtime.replicas import launch_replicas, shutdown_replic
 from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.cluster.server.gateway import Gateway
 from pagedserve.cluster.server.metrics import GatewayMetrics
-from pagedserve.cluster.server.servicer import ModelInfo
+from pagedserve.cluster.server.state import ModelInfo
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.gc_heap import freeze_gc_heap
 from pagedserve.engine.tokenizer import load_tokenizer

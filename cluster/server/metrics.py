@@ -29,18 +29,24 @@ class EngineCollector:
             yield out
 
 
+PROTOCOLS = ("grpc", "http")
+
+
 class GatewayMetrics:
+    """Request metrics, labelled ``model_name`` and ``protocol`` ("grpc" or "http"). Errors carry gRPC's canonical
+    code names for both protocols (an HTTP 400 counts as INVALID_ARGUMENT, a 429 as RESOURCE_EXHAUSTED, ...)."""
+
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self._http = None
         self.registry = CollectorRegistry(auto_describe=True)
         self.engines = EngineCollector(model_name)
         self.registry.register(self.engines)
-        m, reg = ["model_name"], dict(registry=self.registry)
+        m, reg = ["model_name", "protocol"], dict(registry=self.registry)
         self.finished = Counter("pagedserve_requests_finished", "Requests finished, by reason: stop, length, "
                                 "abort (client cancel, deadline or Abort) or error.", [*m, "finish_reason"], **reg)
-        self.errors = Counter("pagedserve_request_errors", "Generate calls that ended with a gRPC error, by code.",
-                              [*m, "code"], **reg)
+        self.errors = Counter("pagedserve_request_errors", "Generation requests that ended with an error status, "
+                              "by gRPC code name (HTTP statuses mapped to them).", [*m, "code"], **reg)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of admitted requests.", m, **reg)
         self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens streamed to clients.", m, **reg)
         self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Request received to first token sent.",
@@ -56,9 +62,6 @@ class GatewayMetrics:
                                     m, buckets=TOKEN_BUCKETS, **reg)
         self.generation_len = Histogram("pagedserve_request_generation_tokens", "Output tokens of finished requests.",
                                         m, buckets=TOKEN_BUCKETS, **reg)
-        # Bound once: these two are updated for every streamed chunk.
-        self.itl_child = self.itl.labels(model_name)
-        self.generation_tokens_child = self.generation_tokens.labels(model_name)
 
     def start_http_server(self, port: int, host: str = "0.0.0.0") -> int:
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -70,23 +73,27 @@ class GatewayMetrics:
             self._http.server_close()
             self._http = None
 
-    def request(self) -> RequestTimer:
-        return RequestTimer(self)
+    def request(self, protocol: str) -> RequestTimer:
+        return RequestTimer(self, protocol)
 
 
 class RequestTimer:
-    """Times one Generate call from the gateway's side."""
+    """Times one generation request from the gateway's side."""
 
-    def __init__(self, metrics: GatewayMetrics) -> None:
+    def __init__(self, metrics: GatewayMetrics, protocol: str) -> None:
         self.m = metrics
+        self.labels = (metrics.model_name, protocol)
         self.start = time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
         self.num_tokens = 0
+        # Bound once per request: these two are updated for every streamed chunk.
+        self._itl = metrics.itl.labels(*self.labels)
+        self._generation_tokens = metrics.generation_tokens.labels(*self.labels)
 
     def admitted(self, prompt_tokens: int) -> None:
-        self.m.prompt_tokens.labels(self.m.model_name).inc(prompt_tokens)
-        self.m.prompt_len.labels(self.m.model_name).observe(prompt_tokens)
+        self.m.prompt_tokens.labels(*self.labels).inc(prompt_tokens)
+        self.m.prompt_len.labels(*self.labels).observe(prompt_tokens)
 
     def tokens(self, n: int) -> None:
         if n == 0:
@@ -94,22 +101,21 @@ class RequestTimer:
         now = time.monotonic()
         if self.first is None:
             self.first = now
-            self.m.ttft.labels(self.m.model_name).observe(now - self.start)
+            self.m.ttft.labels(*self.labels).observe(now - self.start)
         else:
-            self.m.itl_child.observe(now - self.last)
+            self._itl.observe(now - self.last)
         self.last = now
         self.num_tokens += n
-        self.m.generation_tokens_child.inc(n)
+        self._generation_tokens.inc(n)
 
     def finished(self, reason: str) -> None:
-        name = self.m.model_name
-        self.m.finished.labels(name, reason).inc()
+        self.m.finished.labels(*self.labels, reason).inc()
         if reason in ("stop", "length"):
             now = time.monotonic()
-            self.m.e2e.labels(name).observe(now - self.start)
-            self.m.generation_len.labels(name).observe(self.num_tokens)
+            self.m.e2e.labels(*self.labels).observe(now - self.start)
+            self.m.generation_len.labels(*self.labels).observe(self.num_tokens)
             if self.num_tokens > 1 and self.first is not None:
-                self.m.tpot.labels(name).observe((self.last - self.first) / (self.num_tokens - 1))
+                self.m.tpot.labels(*self.labels).observe((self.last - self.first) / (self.num_tokens - 1))
 
     def error(self, code: str) -> None:
-        self.m.errors.labels(self.m.model_name, code).inc()
+        self.m.errors.labels(*self.labels, code).inc()

@@ -25,7 +25,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if any(hmac.compare_digest(g.encode(), e) for g, e in zip(given, self.expected) if g):
             return handler
         if self.metrics is not None and details.method.endswith("/Generate"):
-            self.metrics.request().error("UNAUTHENTICATED")
+            self.metrics.request("grpc").error("UNAUTHENTICATED")
         return _deny(handler)
 
 

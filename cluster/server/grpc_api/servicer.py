@@ -2,17 +2,13 @@
 and streams the responses back, mapping each error type to its status code."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
 
 import grpc
 
-from pagedserve.cluster.server.metrics import GatewayMetrics
-from pagedserve.cluster.server.protocol import ResponseBuilder, params_from_proto
-from pagedserve.engine.core_types import EngineInfo
-from pagedserve.engine.protocol import EngineClient
+from pagedserve.cluster.server.grpc_api.protocol import ResponseBuilder, params_from_proto
+from pagedserve.cluster.server.state import ServingState
 from pagedserve.errors import EngineUnavailableError, InvalidRequestError, QueueFullError
 from pagedserve.proto.fields import FINISH_NAMES
 from pagedserve.proto.v1 import generation_pb2 as pb
@@ -21,39 +17,21 @@ from pagedserve.proto.v1 import generation_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ModelInfo:
-    name: str
-    info: EngineInfo
-    data_parallel_size: int
-
-
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, tokenizer, metrics: GatewayMetrics) -> None:
-        self.tokenizer = tokenizer
-        self.metrics = metrics
-        self.engine: EngineClient | None = None  # set once the replicas are up
-        self.model: ModelInfo | None = None
-        self.draining = False
-        self.in_flight = 0
-        self.idle = asyncio.Event()
-        self.idle.set()
-
-    def _ready_engine(self) -> EngineClient:
-        if self.draining:
-            raise EngineUnavailableError("the server is shutting down")
-        if self.engine is None:
-            raise EngineUnavailableError("the model is still loading")
-        return self.engine
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        self.in_flight += 1
-        self.idle.clear()
-        timer = self.metrics.request()
+        with self.state.request_slot():
+            async for resp in self._generate(request, context):
+                yield resp
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        timer = self.state.metrics.request("grpc")
         admitted = finished = False
         code = None
         try:
-            engine = self._ready_engine()
+            engine = self.state.ready_engine()
             parsed = params_from_proto(request)
             rid = request.request_id or uuid.uuid4().hex
             prompt = parsed.prompt if parsed.prompt_token_ids is None else parsed.prompt_token_ids
@@ -90,29 +68,28 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 timer.error(code.name)
             if admitted and not finished:  # cancelled or deadline (abort), or failed (error)
                 timer.finished("error" if code is not None else "abort")
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self.idle.set()
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        ids = self.tokenizer.encode(request.text) if request.text else []
-        return pb.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
+        tokenizer = self.state.tokenizer
+        ids = tokenizer.encode(request.text) if request.text else []
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        vocab = len(self.tokenizer)
+        tokenizer = self.state.tokenizer
+        vocab = len(tokenizer)
         bad = [t for t in request.token_ids if t >= vocab]
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+        return pb.DetokenizeResponse(text=tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         try:
-            engine = self._ready_engine()
+            engine = self.state.ready_engine()
         except EngineUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        m, info = self.model, self.model.info
+        m, info = self.state.model, self.state.model.info
         stats = await engine.get_stats()
         total = sum(s.kv_blocks_total for s in stats)
         free = sum(s.kv_blocks_free for s in stats)
@@ -126,7 +103,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             eos_token_ids=list(info.eos_token_ids), dtype=info.dtype)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        found = self.engine is not None and await self.engine.abort(request.request_id)
+        engine = self.state.engine
+        found = engine is not None and await engine.abort(request.request_id)
         return pb.AbortResponse(found=found)
 
 

@@ -1,0 +1,71 @@
+"""What every protocol's server shares: the engine once it is ready, the served model, the tokenizer, and the
+admission of requests (refused while loading or draining, counted so that a drain can wait for them)."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from pagedserve.cluster.server.metrics import GatewayMetrics
+from pagedserve.engine.core_types import EngineInfo
+from pagedserve.engine.protocol import EngineClient
+from pagedserve.errors import EngineUnavailableError
+
+
+@dataclass
+class ModelInfo:
+    name: str  # --served-model-name, else the model dir's name
+    info: EngineInfo
+    data_parallel_size: int
+
+
+class ServingState:
+    def __init__(self, tokenizer, metrics: GatewayMetrics) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.engine: EngineClient | None = None  # set once the replicas are up
+        self.model: ModelInfo | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        # Called with the new serving status whenever it changes (the gRPC health service listens).
+        self.listeners: list[Callable[[bool], Awaitable[None]]] = []
+
+    @property
+    def serving(self) -> bool:
+        return self.engine is not None and not self.draining
+
+    async def _notify(self) -> None:
+        for listener in self.listeners:
+            await listener(self.serving)
+
+    async def set_ready(self, engine: EngineClient, model: ModelInfo) -> None:
+        self.engine, self.model = engine, model
+        self.metrics.engines.engine = engine
+        await self._notify()
+
+    async def start_draining(self) -> None:
+        self.draining = True
+        await self._notify()
+
+    def ready_engine(self) -> EngineClient:
+        """The engine, or EngineUnavailableError saying why requests are refused now."""
+        if self.draining:
+            raise EngineUnavailableError("the server is shutting down")
+        if self.engine is None:
+            raise EngineUnavailableError("the model is still loading")
+        return self.engine
+
+    @contextmanager
+    def request_slot(self) -> Iterator[None]:
+        """Held for the whole of one generation request, so that a drain waits for it."""
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
