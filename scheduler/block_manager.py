@@ -14,7 +14,7 @@ free block is left.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 from pagedserve.scheduler.request import Sequence
@@ -141,8 +141,20 @@ class BlockManager:
         need = max(0, -(-total // self.block_size) - len(seq.block_table))
         return need + len(self._cow_targets(seq, num_new_tokens))
 
+    def group_blocks_needed(self, seqs: list[Sequence], num_new_tokens: int) -> int:
+        """Blocks that the next ``num_new_tokens`` of each of ``seqs`` (one request's, allocated together) take:
+        new blocks, plus a copy of each shared block about to be written, except that the last holder of a shared
+        block keeps the original (per block, min(writers, holders - 1) copies)."""
+        grow = 0
+        writers: Counter[int] = Counter()
+        for s in seqs:
+            n = min(num_new_tokens, s.num_tokens - s.num_computed_tokens)
+            grow += max(0, -(-(s.num_computed_tokens + n) // self.block_size) - len(s.block_table))
+            writers.update(s.block_table[i] for i in self._cow_targets(s, n))
+        return grow + sum(min(w, self.pool.ref_cnt[b] - 1) for b, w in writers.items())
+
     def can_admit(self, seqs: list[Sequence], num_new_tokens: int, use_watermark: bool = True) -> bool:
-        need = sum(self.blocks_needed(s, min(num_new_tokens, s.num_tokens - s.num_computed_tokens)) for s in seqs)
+        need = self.group_blocks_needed(seqs, num_new_tokens)
         return self.pool.num_free - need >= (self.watermark_blocks if use_watermark else 0)
 
     def _cow_targets(self, seq: Sequence, num_new_tokens: int) -> list[int]:
@@ -214,20 +226,26 @@ class BlockManager:
     def swap_in(self, seqs: list[Sequence], num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Bring a swapped request back if its blocks and each sequence's next ``num_new_tokens`` fit: the (CPU
         block, device block) pairs to copy, or None (and no change)."""
-        refs = [b for s in seqs for b in s.block_table]
+        refs = Counter(b for s in seqs for b in s.block_table)
         # Shared CPU blocks come back shared; without sharing, every sequence gets its own copies.
-        restore = sorted(set(refs)) if self.share_blocks else refs
+        restore = sorted(refs) if self.share_blocks else list(refs.elements())
         bs = self.block_size
-        grow = sum(max(0, -(-(s.num_computed_tokens + min(num_new_tokens, s.num_tokens - s.num_computed_tokens))
-                            // bs) - len(s.block_table)) for s in seqs)
-        tails = len(seqs) if self.share_blocks else 0  # a shared tail block is copied on its next write
-        if len(restore) + grow + tails > self.num_free_blocks:
+        grow, writers = 0, Counter()
+        for s in seqs:
+            n = min(num_new_tokens, s.num_tokens - s.num_computed_tokens)
+            grow += max(0, -(-(s.num_computed_tokens + n) // bs) - len(s.block_table))
+            i = s.num_computed_tokens // bs
+            if n > 0 and i < len(s.block_table):
+                writers[s.block_table[i]] += 1
+        # A block that comes back shared is copied when written, except by its last holder.
+        copies = sum(min(w, refs[c] - 1) for c, w in writers.items()) if self.share_blocks else 0
+        if len(restore) + grow + copies > self.num_free_blocks:
             return None
         pairs: list[tuple[int, int]] = []
         if self.share_blocks:
             mapping = dict(zip(restore, self.pool.allocate(len(restore))))
             for c in restore:
-                self.pool.incref([mapping[c]] * (refs.count(c) - 1))
+                self.pool.incref([mapping[c]] * (refs[c] - 1))
             pairs = list(mapping.items())
         for seq in seqs:
             self.cpu_pool.decref(seq.block_table)

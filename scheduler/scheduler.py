@@ -219,8 +219,7 @@ class Scheduler:
     def _allocate(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         bm = self.block_manager
         seqs = req.live_seqs
-        need = sum(bm.blocks_needed(s, min(n, s.num_tokens - s.num_computed_tokens)) for s in seqs)
-        if need > bm.num_free_blocks:
+        if bm.group_blocks_needed(seqs, n) > bm.num_free_blocks:
             return False
         for s in seqs:
             first_copy = len(out.blocks_to_copy)

@@ -22,7 +22,8 @@ import pytest
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.outputs import EngineCoreOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
-from pagedserve.scheduler.block_manager import BlockPool
+from pagedserve.scheduler import block_manager
+from pagedserve.scheduler.block_manager import BlockPool, hash_block
 from pagedserve.scheduler.output import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus, Sequence, child_seed
 from pagedserve.scheduler.scheduler import Scheduler
@@ -418,7 +419,7 @@ def test_recompute_preempted_request_goes_back_to_the_front_of_the_waiting_queue
 
 def test_preemption_by_swap_moves_the_blocks_to_cpu_and_back_without_recompute() -> None:
     h = Harness(num_blocks=4, num_cpu_blocks=4, preemption_mode="swap")
-    a, b = two_requests_filling_four_blocks(h)
+    _, b = two_requests_filling_four_blocks(h)
     (sb,) = seq_ids(b)
     device_table = list(b.seqs[0].block_table)
 
@@ -466,7 +467,7 @@ def test_default_preemption_swaps_forked_sequences_and_keeps_their_blocks_shared
     assert r0.block_table == r1.block_table == [0, 1] and h.bm.cpu_pool.ref_cnt[:2] == [2, 2]
     assert h.sched.stats.num_preemptions == {"recompute": 0, "swap": 1}
 
-    h.step()  # f finishes; r needs its 2 blocks + a tail copy, 2 are free
+    h.step()  # f finishes; r needs its 2 blocks back + a tail copy, only 2 are free
     assert list(h.sched.swapped) == [r]
 
     s4 = h.step()
@@ -496,7 +497,21 @@ def test_swapped_request_is_swapped_back_in_once_the_pool_is_free() -> None:
     h.assert_all_free()
 
 
-# ---- prefix caching --------------------------------------------------------------------------------------
+def test_no_sharing_baseline_readmits_a_recomputed_fork_that_fits_the_pool() -> None:
+    # Without block sharing each of r's 2 sequences needs 5 blocks of its own: 10, the whole pool.
+    h = Harness(num_blocks=10, sharing=False, prefix_caching=True, preemption_mode="recompute")
+    a = h.add("a", prompt(4, start=60), SamplingParams(max_tokens=4, ignore_eos=True))
+    r = h.add("r", prompt(16), SamplingParams(n=2, best_of=2, temperature=1.0, seed=9, max_tokens=4))
+    h.step()  # a's block; r's 4 full prompt blocks, now cached and shared by both sequences
+    # r's next step needs a private copy of the 4 shared blocks for one sequence (the other keeps them) and a new
+    # block each: 6, with 10 - 1 - 4 = 5 free and a growing into its second block first. r is preempted.
+    h.step()
+    assert list(h.sched.waiting) == [r] and h.sched.stats.num_preemptions["recompute"] == 1
+    # Once a is done the pool is empty; each sequence takes the 4 cached blocks back, the first copies them, the
+    # second keeps them: 4 + 4 + 2 new = 10 blocks, the whole pool. r must be readmitted and finish (counting a
+    # copy per holder, 4 + 2 x 4 + 2 = 14, it never was).
+    h.run_until_done(max_steps=20)
+    assert a.finished and r.status == RequestStatus.FINISHED_LENGTH
 
 
 def test_prefix_cache_hit_shares_full_blocks_with_a_running_request() -> None:
@@ -560,6 +575,22 @@ def test_request_with_prompt_logprobs_skips_the_prefix_cache() -> None:
     b = h.add("b", prompt(9), SamplingParams(max_tokens=1, prompt_logprobs=0))
     new = h.step().new(b.seqs[0].seq_id)
     assert new.num_computed_tokens == 0 and new.need_prompt_logprobs
+    h.assert_all_free()
+
+
+@pytest.mark.parametrize("colliding_hash", [
+    lambda parent, toks, salt: hash_block(None, toks, salt),  # "q after p" collides with "q at the start"
+    lambda parent, toks, salt: b"same for every block",
+], ids=["parent-blind", "constant"])
+def test_prefix_cache_never_serves_wrong_kv_when_hashes_collide(monkeypatch: pytest.MonkeyPatch,
+                                                                colliding_hash: Callable) -> None:
+    monkeypatch.setattr(block_manager, "hash_block", colliding_hash)
+    h = Harness(prefix_caching=True)
+    p, q = prompt(4), prompt(4, start=50)
+    h.add("a", p + q + [99], SamplingParams(max_tokens=1))
+    h.step()
+    d = h.add("d", q + q + [99], SamplingParams(max_tokens=1))
+    assert h.step().new(d.seqs[0].seq_id).num_computed_tokens == 0  # the fake worker checked the KV it reads
     h.assert_all_free()
 
 
@@ -1004,4 +1035,5 @@ def test_random_workload_keeps_exact_accounting_and_frees_everything(
         assert_block_accounting(h.sched)
     h.run_until_done(sampler, max_steps=400)
     h.assert_all_free()
-    assert h.sched.stats.num_preemptions["recompute"] + h.sched.stats.num_preemptions["swap"] > 0
+    # The workload did stress what it is meant to: preemption and copy-on-write happened.
+    assert sum(h.sched.stats.num_preemptions.values()) > 0 and h.bm.num_copy_on_write > 0
