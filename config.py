@@ -137,6 +137,15 @@ def check_tensor_parallel(hf_config, tp: int) -> None:
         raise ValueError(f"the MLP width ({inter}) is not divisible by tensor_parallel_size ({tp})")
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for; the input processor refuses more before anything is allocated for it."""
+
+    max_seqs: int  # n, best_of and beam_width: the scheduler's max_num_seqs
+    max_logprobs: int  # logprobs and prompt_logprobs (vLLM's max_logprobs)
+    max_prompt_bytes: int  # a text prompt's UTF-8 size, checked before it is tokenized
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -146,4 +155,5 @@ class EngineConfig:
     device: str
     seed: int
     attention_backend: str
+    request_limits: RequestLimits
 

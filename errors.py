@@ -12,8 +12,9 @@ class InvalidRequestError(PagedServeError, ValueError):
     A ``ValueError`` too, as vLLM raises for bad sampling parameters."""
 
 
-class QueueFullError(PagedServeError):
-    """A replica's waiting queue is at ``--max-waiting-requests``: retry later."""
+class OverloadedError(PagedServeError):
+    """The server is at a limit it was given (``--max-concurrent-requests`` at the gateway,
+    ``--max-waiting-requests`` at a replica): retry later."""
 
 
 class EngineUnavailableError(PagedServeError):

@@ -1,9 +1,11 @@
 """Sampling parameters, named and meant as in vLLM."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass
@@ -49,6 +51,10 @@ class SamplingParams:
         def bad(name: str, msg: str) -> None:
             raise ValueError(f"{name} {msg}")
 
+        for name in _FLOAT_FIELDS:  # NaN passes every comparison below, and inf breaks the sampler
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(name, f"must be a finite number, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be at least 1, got {self.n}")
         if not isinstance(self.best_of, int) or self.best_of < self.n:
@@ -113,5 +119,7 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature != 0.0:
             raise ValueError("beam search is deterministic: temperature must be 0")
+        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")

@@ -13,6 +13,7 @@ from pagedserve.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    RequestLimits,
     SchedulerConfig,
     check_tensor_parallel,
     default_model_dir,
@@ -21,6 +22,9 @@ from pagedserve.kernels import BACKENDS, default_backend
 from pagedserve.worker.models.registry import check_architecture
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# A text prompt of more UTF-8 bytes per token of context than this cannot fit; refusing it before tokenizing keeps
+# a multi-megabyte body from costing seconds of CPU and gigabytes of tokenizer memory.
+PROMPT_BYTES_PER_TOKEN = 64
 
 
 def _arg(default, help: str, **cli):
@@ -56,6 +60,9 @@ class EngineArgs:
         None, "ray: TP worker actors (the default when --tensor-parallel-size > 1); uni: in process",
         choices=["ray", "uni"])
     ray_address: str | None = _arg(None, "join this Ray cluster (default: RAY_ADDRESS, else start one)")
+    max_logprobs: int = _arg(20, "most logprobs / prompt_logprobs a request may ask for")
+    max_prompt_bytes: int | None = _arg(None, f"largest text prompt in UTF-8 bytes (default: {PROMPT_BYTES_PER_TOKEN} "
+                                              "x max_model_len)")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -87,7 +94,7 @@ class EngineArgs:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {self.block_size}")
-        for name in ("max_num_seqs", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "tensor_parallel_size", "max_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.preemption_mode not in (None, "recompute", "swap"):
@@ -128,4 +135,6 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode),
             parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.ray_address),
-            device=device, seed=self.seed, attention_backend=backend)
+            device=device, seed=self.seed, attention_backend=backend,
+            request_limits=RequestLimits(self.max_num_seqs, self.max_logprobs,
+                                         self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_len))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.config import RequestLimits
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -36,6 +37,7 @@ class EngineInfo:
     block_size: int
     num_kv_blocks: int
     enable_prefix_caching: bool
+    limits: RequestLimits
 
 
 @dataclass

@@ -41,17 +41,36 @@ class InputProcessor:
                 f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise InvalidRequestError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init")
+        limit = self.info.limits.max_prompt_bytes
+        try:
+            size = len(prompt) if len(prompt) * 4 <= limit else len(prompt.encode())  # UTF-8: <= 4 bytes a char
+        except UnicodeEncodeError:  # lone surrogates, as JSON can carry
+            raise InvalidRequestError("prompt is not valid Unicode text (unpaired surrogates)") from None
+        if size > limit:
+            raise InvalidRequestError(f"prompt is {size} bytes; the limit is {limit} (max_prompt_bytes)")
         return prompt, self.tokenizer.encode(prompt) if prompt else [], salt
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None = None,
                 cache_salt: str | None = None) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text, the request as the engine core queues it); raises InvalidRequestError naming the field."""
         text, ids, salt = self.tokenize(prompt)
+        max_seqs = self.info.limits.max_seqs
         if isinstance(params, BeamSearchParams):
+            if params.beam_width > max_seqs:
+                raise InvalidRequestError(f"beam_width must be at most {max_seqs} (max_num_seqs), "
+                                          f"got {params.beam_width}")
             step = self.beam_step_params(params)
             self._check(ids, step, params.beam_width)
             return text, EngineCoreRequest(request_id, ids, step, params, cache_salt or salt)
         params = self._prepare(params)
+        if params.best_of > max_seqs:
+            name = "best_of" if params.best_of > params.n else "n"
+            raise InvalidRequestError(f"{name} must be at most {max_seqs} (max_num_seqs), got {params.best_of}")
+        max_logprobs = self.info.limits.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > max_logprobs:
+                raise InvalidRequestError(f"{name} must be at most {max_logprobs} (max_logprobs), got {k}")
         self._check(ids, params, params.best_of)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")

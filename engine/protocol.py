@@ -25,7 +25,7 @@ class EngineClient(ABC):
     def generate(self, prompt: str | None, request: EngineCoreRequest,
                  stream: bool = True) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
         """Run a processed request: its delta outputs (every step's when ``stream``, else the final one). Raises
-        QueueFullError or EngineUnavailableError; closing the iterator early aborts the request."""
+        OverloadedError or EngineUnavailableError; closing the iterator early aborts the request."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> bool:

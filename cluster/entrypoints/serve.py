@@ -36,6 +36,7 @@ class ServeOptions:
     ssl_keyfile: str | None = None
     data_parallel_size: int = 1
     max_waiting_requests: int | None = None
+    max_concurrent_requests: int = 4096  # over all protocols; beyond it RESOURCE_EXHAUSTED / HTTP 429 at once
     drain_timeout: float = 30.0
     served_model_name: str | None = None
     metrics_port: int = 9400  # 0: no /metrics endpoint
@@ -49,7 +50,8 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     name = opts.served_model_name or os.path.basename(os.path.normpath(model_dir))
     metrics = GatewayMetrics(name)
-    gateway = Gateway(tokenizer, metrics, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile)
+    gateway = Gateway(tokenizer, metrics, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
+                      opts.max_concurrent_requests)
     await gateway.start()
     if opts.metrics_port:
         gateway.metrics_port = metrics.start_http_server(opts.metrics_port, opts.host)
@@ -106,6 +108,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model replicas (each its own TP group)")
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="per replica; beyond it requests get RESOURCE_EXHAUSTED")
+    g.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+                   help="generation requests in flight at once over all protocols; beyond it RESOURCE_EXHAUSTED "
+                        "(HTTP 429) at once")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help="seconds running requests get on SIGTERM")
     g.add_argument("--served-model-name", default=None, help="the model_name label and GetModelInfo name")

@@ -21,7 +21,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.executor import RayPlacement, create_executor
-from pagedserve.errors import QueueFullError
+from pagedserve.errors import OverloadedError
 from pagedserve.outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class EngineCoreActor:
 
     def _add(self, request: EngineCoreRequest) -> None:
         if self.max_waiting_requests is not None and len(self.core.scheduler.waiting) >= self.max_waiting_requests:
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
+            raise OverloadedError(f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
         self.metrics.track(self.core.add_request(request))
         self._kick()
 

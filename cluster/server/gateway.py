@@ -15,10 +15,13 @@ logger = logging.getLogger(__name__)
 
 class Gateway:
     def __init__(self, tokenizer, metrics: GatewayMetrics, host: str = "0.0.0.0", port: int = 50051,
-                 api_key: str | None = None, ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
+                 api_key: str | None = None, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+                 max_concurrent_requests: int = 4096) -> None:
+        if max_concurrent_requests < 1:
+            raise ValueError(f"max_concurrent_requests must be at least 1, got {max_concurrent_requests}")
         self.metrics = metrics
         self.metrics_port: int | None = None
-        self.state = ServingState(tokenizer, metrics)
+        self.state = ServingState(tokenizer, metrics, max_concurrent_requests)
         self.grpc = GrpcServer(self.state, host, port, api_key, ssl_certfile, ssl_keyfile)
         self.port = self.grpc.port
 

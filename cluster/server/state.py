@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.engine.core_types import EngineInfo
 from pagedserve.engine.protocol import EngineClient
-from pagedserve.errors import EngineUnavailableError
+from pagedserve.errors import EngineUnavailableError, OverloadedError
 
 
 @dataclass
@@ -21,9 +21,13 @@ class ModelInfo:
 
 
 class ServingState:
-    def __init__(self, tokenizer, metrics: GatewayMetrics) -> None:
+    """``max_concurrent_requests``: generation requests in flight at once, over all protocols; one more is refused
+    at once with OverloadedError (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+    def __init__(self, tokenizer, metrics: GatewayMetrics, max_concurrent_requests: int) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.max_concurrent_requests = max_concurrent_requests
         self.engine: EngineClient | None = None  # set once the replicas are up
         self.model: ModelInfo | None = None
         self.draining = False
@@ -61,6 +65,9 @@ class ServingState:
     @contextmanager
     def request_slot(self) -> Iterator[None]:
         """Held for the whole of one generation request, so that a drain waits for it."""
+        if self.in_flight >= self.max_concurrent_requests:
+            raise OverloadedError(f"the server is at its limit of {self.max_concurrent_requests} concurrent requests "
+                                  "(--max-concurrent-requests); retry later")
         self.in_flight += 1
         self.idle.clear()
         try:

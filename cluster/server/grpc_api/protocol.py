@@ -26,8 +26,16 @@ class ParsedRequest:
     stream: bool
 
 
+def _enum(name: str, value: int, known) -> int:
+    """Proto3 enums are open: a client may send any number. Refuse the ones this server does not know."""
+    if value not in known:
+        raise InvalidRequestError(f"{name}: unknown value {value}")
+    return value
+
+
 def params_from_proto(req: pb.GenerateRequest) -> ParsedRequest:
-    """Raise ValueError naming the offending field."""
+    """Raise InvalidRequestError naming the offending field."""
+    _enum("stream_mode", req.stream_mode, pb.StreamMode.values())
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequestError("prompt: set either text or token_ids")
@@ -38,8 +46,9 @@ def params_from_proto(req: pb.GenerateRequest) -> ParsedRequest:
         raise InvalidRequestError("beam_search: set either sampling_params or beam_search, not both")
     if beam:
         b = req.beam_search
+        early = EARLY_STOPPING_VALUES[_enum("beam_search.early_stopping", b.early_stopping, EARLY_STOPPING_VALUES)]
         kw = {"beam_width": b.beam_width, "max_tokens": b.max_tokens, "ignore_eos": b.ignore_eos,
-              "early_stopping": EARLY_STOPPING_VALUES[b.early_stopping]}
+              "early_stopping": early}
         if b.HasField("length_penalty"):
             kw["length_penalty"] = b.length_penalty
         try:

@@ -8,6 +8,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pagedserve.cluster.server.grpc_api.auth import ApiKeyInterceptor
+from pagedserve.cluster.server.grpc_api.parsing import ParseErrorInterceptor
 from pagedserve.cluster.server.grpc_api.servicer import GenerationServicer
 from pagedserve.cluster.server.state import ServingState
 from pagedserve.proto.v1 import generation_pb2 as pb
@@ -15,9 +16,7 @@ from pagedserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a 128k-token prompt as ids is ~0.6 MB; logprobs responses can be large
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+KEEPALIVE_OPTIONS = [
     # Ping idle connections so dead clients (and their streams) are noticed within ~40 s.
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -27,11 +26,24 @@ SERVER_OPTIONS = [
 ]
 
 
+def server_options(max_concurrent_requests: int) -> list[tuple[str, int]]:
+    # gRPC core queues calls that arrive faster than the server takes them, and past its own default of 1000 such
+    # pending calls it cancels the excess: uncancelled streams ending CANCELLED under a burst. The gateway's limit
+    # (RESOURCE_EXHAUSTED past --max-concurrent-requests) is the one that applies, so core's sits well above it.
+    pending = 2 * max_concurrent_requests + 1024
+    return [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.server.max_pending_requests", pending),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * pending),
+            *KEEPALIVE_OPTIONS]
+
+
 class GrpcServer:
     def __init__(self, state: ServingState, host: str, port: int, api_key: str | None = None,
                  ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
         interceptors = [ApiKeyInterceptor(api_key, state.metrics)] if api_key else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+        interceptors.append(ParseErrorInterceptor())
+        self.server = grpc.aio.server(interceptors=interceptors, options=server_options(state.max_concurrent_requests))
         self.servicer = GenerationServicer(state)
         pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
         self.health = health_aio.HealthServicer()

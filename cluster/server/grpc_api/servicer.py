@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import uuid
+from contextlib import aclosing
 
 import grpc
 
 from pagedserve.cluster.server.grpc_api.protocol import ResponseBuilder, params_from_proto
+from pagedserve.cluster.server.metrics import RequestTimer
 from pagedserve.cluster.server.state import ServingState
-from pagedserve.errors import EngineUnavailableError, InvalidRequestError, QueueFullError
+from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from pagedserve.proto.fields import FINISH_NAMES
 from pagedserve.proto.v1 import generation_pb2 as pb
 from pagedserve.proto.v1 import generation_pb2_grpc as pb_grpc
@@ -22,38 +24,22 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.state = state
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        with self.state.request_slot():
-            async for resp in self._generate(request, context):
-                yield resp
-
-    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         timer = self.state.metrics.request("grpc")
         admitted = finished = False
         code = None
         try:
-            engine = self.state.ready_engine()
-            parsed = params_from_proto(request)
-            rid = request.request_id or uuid.uuid4().hex
-            prompt = parsed.prompt if parsed.prompt_token_ids is None else parsed.prompt_token_ids
-            text, core_request = await engine.process(rid, prompt, parsed.params, request.cache_salt or None)
-            num_prompt_tokens = len(core_request.prompt_token_ids)
-            lp = getattr(parsed.params, "logprobs", None) or 0
-            plp = getattr(parsed.params, "prompt_logprobs", None) or 0
-            builder = ResponseBuilder(rid, num_prompt_tokens, lp, plp)
-            async for out in engine.generate(text, core_request, parsed.stream):
-                if not admitted:
-                    admitted = True
-                    timer.admitted(num_prompt_tokens)
-                resp = builder.build(out)
-                timer.tokens(sum(len(c.token_ids) for c in resp.completions))
-                if out.finished:
-                    finished = True
-                    timer.finished(_finish_reason(resp))
-                yield resp
+            # aclosing: a cancelled call closes the engine stream at once, which aborts the request and frees its
+            # blocks, rather than whenever the abandoned generators are collected.
+            with self.state.request_slot():
+                async with aclosing(self._generate(request, timer)) as responses:
+                    async for resp in responses:
+                        admitted = True
+                        finished = resp.finished
+                        yield resp
         except InvalidRequestError as e:
             code = grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, str(e))
-        except QueueFullError as e:
+        except OverloadedError as e:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
             await context.abort(code, str(e))
         except EngineUnavailableError as e:
@@ -68,6 +54,28 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 timer.error(code.name)
             if admitted and not finished:  # cancelled or deadline (abort), or failed (error)
                 timer.finished("error" if code is not None else "abort")
+
+    async def _generate(self, request: pb.GenerateRequest, timer: RequestTimer):
+        engine = self.state.ready_engine()
+        parsed = params_from_proto(request)
+        rid = request.request_id or uuid.uuid4().hex
+        prompt = parsed.prompt if parsed.prompt_token_ids is None else parsed.prompt_token_ids
+        text, core_request = await engine.process(rid, prompt, parsed.params, request.cache_salt or None)
+        num_prompt_tokens = len(core_request.prompt_token_ids)
+        lp = getattr(parsed.params, "logprobs", None) or 0
+        plp = getattr(parsed.params, "prompt_logprobs", None) or 0
+        builder = ResponseBuilder(rid, num_prompt_tokens, lp, plp)
+        admitted = False
+        async with aclosing(engine.generate(text, core_request, parsed.stream)) as outputs:
+            async for out in outputs:
+                if not admitted:
+                    admitted = True
+                    timer.admitted(num_prompt_tokens)
+                resp = builder.build(out)
+                timer.tokens(sum(len(c.token_ids) for c in resp.completions))
+                if out.finished:
+                    timer.finished(_finish_reason(resp))
+                yield resp
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         tokenizer = self.state.tokenizer
