@@ -3,7 +3,7 @@ runs. The server room codes against this; the serving runtime's router over Ray 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from prometheus_client.core import Metric
 
@@ -15,6 +15,15 @@ from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 class EngineClient(ABC):
     info: EngineInfo  # of the engine (for several replicas: the smallest KV pool)
+
+    @property
+    @abstractmethod
+    def healthy(self) -> bool:
+        """Whether it can take and finish requests now (not while every replica is down or restarting)."""
+
+    @abstractmethod
+    def add_health_listener(self, listener: Callable[[], Awaitable[None]]) -> None:
+        """Awaited on the event loop whenever ``healthy`` may have changed."""
 
     @abstractmethod
     async def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,

@@ -146,7 +146,8 @@ def _scalar(prom, expr: str) -> float | None:
 
 
 def _by(prom, expr: str, label: str) -> dict[str, float]:
-    return {r["metric"].get(label, ""): float(r["value"][1]) for r in prom.query(expr)}
+    """Non-zero series by label value (every known label value has a series at zero from startup)."""
+    return {r["metric"].get(label, ""): float(r["value"][1]) for r in prom.query(expr) if float(r["value"][1])}
 
 
 def _rfc3339(ts: str) -> float:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import ray
 import uvloop
 
-from pagedserve.cluster.runtime.replicas import launch_replicas, shutdown_replicas
+from pagedserve.cluster.runtime.private_ray import PrivateRay
+from pagedserve.cluster.runtime.replicas import Replica, launch_replicas, shutdown_replicas
 from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.cluster.server.gateway import Gateway
 from pagedserve.cluster.server.metrics import GatewayMetrics
@@ -62,11 +63,20 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    started_ray = not ray.is_initialized() and not (args.ray_address or os.environ.get("RAY_ADDRESS"))
+    # Without a cluster to join, Ray runs in a session of its own (see PrivateRay): a SIGTERM or Ctrl-C sent to this
+    # process's group then leaves it up for the drain.
+    private_ray = None
+    if not ray.is_initialized() and not (args.ray_address or os.environ.get("RAY_ADDRESS")):
+        private_ray = PrivateRay()
     replicas, engine = [], None
+
+    def start_replicas() -> list[Replica]:
+        if private_ray is not None:
+            private_ray.start()
+        return launch_replicas(args, opts.data_parallel_size, opts.max_waiting_requests)
+
     try:
-        launch = asyncio.ensure_future(asyncio.to_thread(
-            launch_replicas, args, opts.data_parallel_size, opts.max_waiting_requests))
+        launch = asyncio.ensure_future(asyncio.to_thread(start_replicas))
         await asyncio.wait([launch, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         if not launch.done():
             logger.info("stopped while loading")
@@ -90,8 +100,8 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
         if engine is not None:
             await engine.close()
         shutdown_replicas(replicas)
-        if started_ray:
-            ray.shutdown()
+        if private_ray is not None:
+            private_ray.stop()
         logger.info("stopped")
 
 

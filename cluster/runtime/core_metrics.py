@@ -13,6 +13,9 @@ from pagedserve.scheduler.request import Request
 
 disable_created_metrics()  # no *_created series: they only clutter scrapes and dashboards
 
+# Engine-core phases (StepStats) and, on rank 0, the model runner's (ModelRunnerOutput.timings).
+STEP_PHASES = ("schedule", "execute", "update", "prepare", "forward", "sample")
+
 
 class EngineCoreMetrics:
     def __init__(self, core: EngineCore) -> None:
@@ -34,6 +37,8 @@ class EngineCoreMetrics:
                                    "Engine step time by phase: schedule, execute (broadcast + workers), prepare, "
                                    "forward and sample (on rank 0), update.", ["phase"],
                                    buckets=STEP_BUCKETS, **h)
+        for phase in STEP_PHASES:  # at zero from the first scrape, not only after the first step
+            self.step_time.labels(phase)
         self._tracked: dict[str, tuple[Request, list[float | None]]] = {}  # id -> (request, [first token time])
 
     def track(self, req: Request) -> None:

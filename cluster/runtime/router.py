@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import ray
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -48,6 +48,7 @@ class ReplicaRouter(EngineClient):
         self.load = [0] * len(replicas)  # running requests per replica, from this gateway
         self.alive = [True] * len(replicas)
         self._pumps: list[asyncio.Task] = []
+        self._health_listeners: list[Callable[[], Awaitable[None]]] = []
 
     def start(self) -> None:
         self._pumps = [asyncio.get_running_loop().create_task(self._pump(r)) for r in self.replicas]
@@ -73,7 +74,7 @@ class ReplicaRouter(EngineClient):
                 raise
             except Exception as e:
                 logger.error("replica %d failed: %s", replica.index, e)
-            self.alive[replica.index] = False
+            await self._set_alive(replica.index, False)
             err = EngineUnavailableError(f"model replica {replica.index} failed; retry the request")
             for rid, i in list(self._replica_of.items()):
                 if i == replica.index:
@@ -81,7 +82,19 @@ class ReplicaRouter(EngineClient):
             if not await self._await_restart(replica):
                 return
             logger.info("replica %d restarted", replica.index)
-            self.alive[replica.index] = True
+            await self._set_alive(replica.index, True)
+
+    @property
+    def healthy(self) -> bool:
+        return any(self.alive)
+
+    def add_health_listener(self, listener: Callable[[], Awaitable[None]]) -> None:
+        self._health_listeners.append(listener)
+
+    async def _set_alive(self, index: int, alive: bool) -> None:
+        self.alive[index] = alive
+        for listener in self._health_listeners:
+            await listener()
 
     @staticmethod
     async def _await_restart(replica: Replica) -> bool:

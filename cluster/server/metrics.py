@@ -30,6 +30,9 @@ class EngineCollector:
 
 
 PROTOCOLS = ("grpc", "http")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# Every status an error can end with, as gRPC's code names (HTTP statuses map onto these).
+ERROR_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED", "UNAVAILABLE", "INTERNAL")
 
 
 class GatewayMetrics:
@@ -62,6 +65,16 @@ class GatewayMetrics:
                                     m, buckets=TOKEN_BUCKETS, **reg)
         self.generation_len = Histogram("pagedserve_request_generation_tokens", "Output tokens of finished requests.",
                                         m, buckets=TOKEN_BUCKETS, **reg)
+        # Every series at zero from the first scrape, so dashboards and alerts see 0, not "no data", until then.
+        for protocol in PROTOCOLS:
+            labels = (model_name, protocol)
+            for reason in FINISH_REASONS:
+                self.finished.labels(*labels, reason)
+            for code in ERROR_CODES:
+                self.errors.labels(*labels, code)
+            for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e,
+                           self.prompt_len, self.generation_len):
+                family.labels(*labels)
 
     def start_http_server(self, port: int, host: str = "0.0.0.0") -> int:
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)

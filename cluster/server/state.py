@@ -39,7 +39,8 @@ class ServingState:
 
     @property
     def serving(self) -> bool:
-        return self.engine is not None and not self.draining
+        """Loaded, not draining, and the engine can take requests: what health checks report."""
+        return self.engine is not None and not self.draining and self.engine.healthy
 
     async def _notify(self) -> None:
         for listener in self.listeners:
@@ -48,6 +49,7 @@ class ServingState:
     async def set_ready(self, engine: EngineClient, model: ModelInfo) -> None:
         self.engine, self.model = engine, model
         self.metrics.engines.engine = engine
+        engine.add_health_listener(self._notify)
         await self._notify()
 
     async def start_draining(self) -> None:

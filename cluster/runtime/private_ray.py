@@ -1,0 +1,102 @@
+"""A Ray head for one server alone, in its own session.
+
+``ray.init()`` would start Ray's processes (GCS, raylet, workers) in the server's process group, so a SIGTERM or
+Ctrl-C meant for the group (a terminal, ``kill -TERM -PGID``, a supervisor) reached them too: Ray died first and
+the draining server hung in teardown. Started in a session of its own, Ray outlives the signal while the server
+drains, and ``stop()`` then ends every process of that session. If the server itself is killed, the kernel sends
+the head SIGTERM (PR_SET_PDEATHSIG), and the head stops its processes.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import ray
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+START_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class PrivateRay:
+    def __init__(self, num_cpus: int | None = None) -> None:
+        self.num_cpus = num_cpus
+        self.proc: subprocess.Popen | None = None
+        self.temp_dir: str | None = None
+
+    def start(self) -> None:
+        """Start the head and connect this process to it as the driver."""
+        port = _free_port()
+        # Short: Ray's socket paths have a length limit. Fixed default ports would clash with another Ray on the host.
+        self.temp_dir = tempfile.mkdtemp(prefix="psray", dir="/tmp")
+        ports = [f"--{name}={_free_port()}" for name in (
+            "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+            "runtime-env-agent-port", "ray-client-server-port")]
+        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+               "--include-dashboard=false", "--disable-usage-stats", "--block",
+               f"--temp-dir={self.temp_dir}", *ports, *([f"--num-cpus={self.num_cpus}"] if self.num_cpus else [])]
+        # The head authenticates as this driver does (Ray reads RAY_AUTH_MODE once, at import; `ray start` alone
+        # would default to token mode and refuse a driver in the default mode), like the ray.init() it replaces.
+        env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        address = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the private Ray head exited with {self.proc.returncode} while starting "
+                                   f"(logs: {self.temp_dir})")
+            try:
+                ray.init(address=address, log_to_driver=False)
+                break
+            except (ConnectionError, TimeoutError, ray.exceptions.RaySystemError) as e:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"the private Ray head did not come up in {START_TIMEOUT_S:.0f} s: {e}") from e
+                time.sleep(0.5)
+        logger.info("private Ray head at %s (session %d)", address, self.proc.pid)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Disconnect, stop the head (it stops its processes), then kill whatever of its session is left."""
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.proc is not None:
+            sid = self.proc.pid  # the session leader's pid is the session id
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    logger.warning("the private Ray head did not stop in %.0f s; killing it", timeout)
+            for p in psutil.process_iter(["pid"]):
+                try:
+                    if os.getsid(p.info["pid"]) == sid:
+                        p.kill()
+                except (ProcessLookupError, PermissionError, psutil.Error):
+                    pass
+            self.proc = None
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
