@@ -81,3 +81,12 @@ class EngineCoreOutput:
     # Beam search, once finished: (prompt + generated ids, cumulative logprob, score, finish reason), best first.
     beams: list[tuple[list[int], float, float, str | None]] | None = None
     error: str | None = None
+
+
+@dataclass
+class EngineHealth:
+    """An engine core telling its gateways, through the output stream, that it cannot serve for now (its workers
+    are being rebuilt, or a step hung) or that it can again."""
+
+    healthy: bool
+    reason: str = ""

@@ -8,6 +8,24 @@ from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
+class ResumedCompletion:
+    index: int
+    output_token_ids: list[int]  # generated so far (and already delivered)
+    cumulative_logprob: float
+
+
+@dataclass
+class ResumeState:
+    """Where a request stood when the engine running it died, so that another engine goes on from there: the same
+    seed (seeded draws depend only on the seed and the output length), each unfinished completion's tokens, and how
+    many prompt logprobs went out already. A beam search restarts whole: it is deterministic and streams nothing."""
+
+    seed: int
+    completions: list[ResumedCompletion]
+    num_prompt_logprobs: int = 0
+
+
+@dataclass
 class EngineCoreRequest:
     """A validated request in token ids, as the engine core queues it (``InputProcessor`` makes these)."""
 
@@ -16,6 +34,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams  # per step; for beam search the greedy step that returns top-k logprobs
     beam_params: BeamSearchParams | None = None
     cache_salt: str | None = None
+    resume: ResumeState | None = None
 
     @property
     def params(self) -> SamplingParams | BeamSearchParams:

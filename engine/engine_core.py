@@ -16,13 +16,14 @@ from pagedserve.engine.gc_heap import freeze_gc_heap
 from pagedserve.errors import InvalidRequestError, WorkerFailedError
 from pagedserve.outputs import EngineCoreOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.request import Request, Sequence
+from pagedserve.scheduler.request import Request, Sequence, child_seed
 from pagedserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
 WARMUP_ID = "__warmup__"
+MAX_RESUMES = 3  # worker-group failures a request survives (recomputed each time) before it ends with an error
 
 
 @dataclass
@@ -38,11 +39,15 @@ class StepStats:
 
 
 class EngineCore:
-    """``executor_factory`` builds the executor, and builds it again after a worker failure."""
+    """``executor_factory`` builds the executor, and builds it again after a worker failure. ``on_health`` (if given)
+    hears ``(False, why)`` when the core stops being able to serve (the worker group is being rebuilt) and
+    ``(True, "")`` when it can again."""
 
     def __init__(self, config: EngineConfig,
-                 executor_factory: Callable[[EngineConfig], Executor] = create_executor) -> None:
+                 executor_factory: Callable[[EngineConfig], Executor] = create_executor,
+                 on_health: Callable[[bool, str], None] | None = None) -> None:
         self.config = config
+        self.on_health = on_health
         self.max_model_len = config.scheduler_config.max_model_len
         self.vocab_size = config.model_config.vocab_size
         self._executor_factory = executor_factory
@@ -75,16 +80,27 @@ class EngineCore:
                           enable_prefix_caching=cc.enable_prefix_caching, limits=self.config.request_limits)
 
     def add_request(self, request: EngineCoreRequest) -> Request:
-        """Queue a request the input processor made; beam_params make it a beam search."""
+        """Queue a request the input processor made; beam_params make it a beam search; a resume state continues
+        one that another engine ran (see ``ResumeState``)."""
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
-        params = request.sampling_params
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        ids = request.prompt_token_ids
-        seq = Sequence(seq_id=self.scheduler.next_seq_id(), index=0, token_ids=list(ids), prompt_len=len(ids),
-                       seed=base_seed & _SEED_MASK)
-        req = Request(request.request_id, list(ids), params, [seq], arrival_index=next(self._arrivals),
-                      cache_salt=request.cache_salt, beam_params=request.beam_params)
+        params, resume, ids = request.sampling_params, request.resume, request.prompt_token_ids
+        if resume is not None:
+            base_seed = resume.seed
+        else:
+            base_seed = (params.seed if params.seed is not None else self._rng.getrandbits(63)) & _SEED_MASK
+        seqs = [Sequence(seq_id=self.scheduler.next_seq_id(), index=0, token_ids=list(ids), prompt_len=len(ids),
+                         seed=base_seed)]
+        if resume is not None and resume.completions and request.beam_params is None:
+            seqs = [Sequence(seq_id=self.scheduler.next_seq_id(), index=c.index, token_ids=ids + c.output_token_ids,
+                             prompt_len=len(ids), seed=child_seed(base_seed, c.index),
+                             cumulative_logprob=c.cumulative_logprob) for c in resume.completions]
+        req = Request(request.request_id, list(ids), params, seqs, arrival_index=next(self._arrivals),
+                      cache_salt=request.cache_salt, seed=base_seed, beam_params=request.beam_params)
+        if resume is not None:
+            req.next_seq_index = max(params.best_of, *(s.index + 1 for s in seqs))
+            req.num_prompt_logprobs = resume.num_prompt_logprobs
+            req.prompt_logprobs_done = resume.num_prompt_logprobs >= len(ids) - 1
         if request.beam_params is not None:
             req.beam_state = self.scheduler.beam.init_state(req, set(self.config.model_config.eos_token_ids))
         self.scheduler.add_request(req)
@@ -142,22 +158,27 @@ class EngineCore:
         try:
             result = self.executor.execute_model(sched)
         except WorkerFailedError as e:
-            logger.error("%s; failing in-flight requests and rebuilding the worker group", e)
-            return self._recover()
+            logger.error("%s; rebuilding the worker group, the requests in flight start over on it", e)
+            return self._recover(e)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(sched, result)
         self.last_step = StepStats(num_running, sched.total_num_scheduled_tokens, t1 - t0, t2 - t1,
                                    time.perf_counter() - t2, result.timings)
         return outputs
 
-    def _recover(self) -> list[EngineCoreOutput]:
-        """Fail every in-flight request, then replace the whole TP group with fresh workers."""
-        outputs = self.scheduler.fail_all("the model workers failed while this request ran")
+    def _recover(self, error: WorkerFailedError) -> list[EngineCoreOutput]:
+        """Replace the whole TP group with fresh workers; the requests in flight start over from their tokens on it
+        (recomputed), so they finish as they would have. Outputs only for the few whose retry budget is spent."""
+        if self.on_health is not None:
+            self.on_health(False, f"rebuilding the model workers after: {error}")
+        outputs = self.scheduler.requeue_all(MAX_RESUMES)
         self.executor.shutdown()
         self.executor = self._executor_factory(self.config)
         cc = self.config.cache_config
         self.executor.init_kv_cache(cc.num_blocks, cc.num_cpu_blocks)
         self.num_worker_restarts += 1
+        if self.on_health is not None:
+            self.on_health(True, "")
         return outputs
 
     def shutdown(self) -> None:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagedserve.engine.core_types import ResumedCompletion, ResumeState
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import (
     BeamSearchOutput,
@@ -44,6 +45,7 @@ class _RequestState:
     first_token_time: float | None = None
     beams: list | None = None
     delta: bool = False  # outputs carry only what is new since the previous one
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs came in
 
     @property
     def is_beam(self) -> bool:
@@ -85,6 +87,13 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+
+    def resume_state(self, request_id: str, seed: int) -> ResumeState:
+        """Where a request stands, for another engine to go on from (its unfinished completions' tokens)."""
+        st = self.states[request_id]
+        completions = [] if st.is_beam else [ResumedCompletion(c.index, list(c.token_ids), c.cumulative_logprob)
+                                             for c in st.completions if c.finish_reason is None]
+        return ResumeState(seed, completions, st.num_prompt_logprobs)
 
     def abort_output(self, request_id: str) -> RequestOutput | BeamSearchOutput | None:
         """Drop a request, returning its final output with the unfinished completions marked "abort"."""
@@ -129,6 +138,7 @@ class OutputProcessor:
             return
         if out.prompt_logprobs and st.prompt_logprobs is not None:
             st.prompt_logprobs += [self._logprob_dict(*entry) for entry in out.prompt_logprobs]
+            st.num_prompt_logprobs += len(out.prompt_logprobs)
         if out.new_token_ids and st.first_token_time is None:
             st.first_token_time = time.monotonic()
         for idx, toks in out.new_token_ids.items():

@@ -91,10 +91,13 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     prompt_logprobs_done: bool = False
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs went out (a recompute does not repeat them)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_resumes: int = 0  # times its workers failed under it and it started over from its tokens
     first_scheduled_time: float | None = None
     cache_salt: str | None = None
+    seed: int = 0  # the base seed; completion i samples with child_seed(seed, i)
     next_seq_index: int = 1
     beam_params: object | None = None  # BeamSearchParams for beam-search requests
     beam_state: object | None = None

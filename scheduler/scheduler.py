@@ -81,6 +81,33 @@ class Scheduler:
         self._finished_seq_ids.clear()  # the new workers hold no sequence state
         return [self._core_output(req, EngineCoreOutput(req.request_id), error) for req in failed]
 
+    def requeue_all(self, max_resumes: int) -> list[EngineCoreOutput]:
+        """The workers, and the KV and swap space they held, are gone. Every request starts over from its tokens
+        (prompt and output so far), recomputed on the new workers: seeded draws depend only on the seed and the
+        output length, so the outputs are those it would have had. A request that already started over
+        ``max_resumes`` times ends with an error instead."""
+        failed, requeued = [], []
+        for req in self.requests.values():
+            if req.status != RequestStatus.WAITING:
+                if req.num_resumes >= max_resumes:
+                    failed.append(req)
+                    continue
+                req.num_resumes += 1
+            for seq in req.live_seqs:
+                self.block_manager.free(seq)
+                _reset_for_recompute(seq)
+            req.status = RequestStatus.WAITING
+            requeued.append(req)
+        error = f"the model workers failed under this request {max_resumes + 1} times"
+        for req in failed:
+            self._finish_request(req, RequestStatus.FINISHED_ERROR)
+        self.running.clear()
+        self.swapped.clear()
+        self.waiting = deque(sorted(requeued, key=lambda r: r.arrival_index))
+        self.block_manager.reset_prefix_cache()
+        self._finished_seq_ids.clear()  # the new workers hold no sequence state
+        return [self._core_output(req, EngineCoreOutput(req.request_id), error) for req in failed]
+
     def stop_sequence(self, req: Request, index: int) -> None:
         """Finish one completion early (a stop string matched in the engine's detokenizer)."""
         seq = next((s for s in req.seqs if s.index == index), None)
@@ -134,10 +161,7 @@ class Scheduler:
             mode = "recompute"
             for seq in req.live_seqs:
                 self.block_manager.free(seq)
-                seq.num_computed_tokens = 0
-                seq.block_hashes = []
-                seq.status = RequestStatus.WAITING
-                seq.num_sent_tokens = 0
+                _reset_for_recompute(seq)
                 self._finished_seq_ids.add(seq.seq_id)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
@@ -322,8 +346,13 @@ class Scheduler:
             if seq_id not in self.seqs:
                 continue
             req, seq = self.seqs[seq_id]
-            out = output_of(req)
-            out.prompt_logprobs = (out.prompt_logprobs or []) + plps
+            # Entry j is prompt position start + j; after a recompute, the ones already out are not sent again.
+            start = seq.num_computed_tokens - sched.num_scheduled_tokens[seq_id]
+            new = plps[max(0, req.num_prompt_logprobs - start):]
+            if new:
+                out = output_of(req)
+                out.prompt_logprobs = (out.prompt_logprobs or []) + new
+                req.num_prompt_logprobs = start + len(plps)
             if seq.num_computed_tokens >= seq.prompt_len:
                 req.prompt_logprobs_done = True
         samples: dict[int, list[int]] = {}
@@ -393,3 +422,11 @@ class Scheduler:
         if (sp.max_tokens is not None and n_out >= sp.max_tokens) or seq.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _reset_for_recompute(seq: Sequence) -> None:
+    """Back to waiting with nothing computed (its blocks already freed); it keeps its tokens."""
+    seq.num_computed_tokens = 0
+    seq.block_hashes = []
+    seq.status = RequestStatus.WAITING
+    seq.num_sent_tokens = 0

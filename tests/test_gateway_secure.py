@@ -1,5 +1,5 @@
-"""API key, TLS, a full waiting queue, and an engine-core actor that dies: each gets its status code, and the
-server keeps serving."""
+"""API key, TLS, a full waiting queue, and an engine-core actor that dies: each gets its status code (a stream
+whose actor died resumes on the restarted one), and the server keeps serving."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,7 @@ import grpc
 import pytest
 import ray
 
+from pagedserve import LLM, SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.tests.server_thread import ServerThread
 
@@ -81,23 +82,29 @@ def test_full_queue_is_resource_exhausted(secure):
         assert c.generate("import", max_tokens=2, temperature=0.0).completion_tokens == 2
 
 
-def test_engine_core_actor_death_is_unavailable_then_recovers(secure):
+def test_engine_core_actor_death_resumes_the_stream_exactly(secure, llama_dir):
+    """SIGKILL the engine-core actor mid-stream: Ray restarts it, and the stream goes on there from the tokens it
+    had streamed (greedy: exactly the offline tokens). Meanwhile health is NOT_SERVING and new requests get
+    UNAVAILABLE at once; afterwards SERVING again."""
     replica = secure.replicas[0]
     pid = ray.get(replica.actor.pid.remote())
     with secure.client(root_certificates=secure.root, api_key=KEY) as c:
-        stream = c.stream("class", max_tokens=200, temperature=0.0, ignore_eos=True)
-        next(stream)
+        stream = c.stream("class", max_tokens=150, temperature=0.0, ignore_eos=True)
+        responses = [next(stream)]
         os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while c.health() != "NOT_SERVING":  # the gateway notices the death quickly
+            assert time.monotonic() < deadline, "health stayed SERVING with the engine dead"
+            time.sleep(0.05)
         with pytest.raises(grpc.RpcError) as err:
-            list(stream)
+            c.generate("import", max_tokens=2)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        deadline = time.monotonic() + 90
-        while True:  # Ray restarts the actor; the gateway reconnects once it has warmed up
-            try:
-                assert c.generate("class", max_tokens=3, temperature=0.0).completion_tokens == 3
-                break
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.UNAVAILABLE, e
-                assert time.monotonic() < deadline, "the replica did not come back"
-                time.sleep(0.5)
+        responses += list(stream)
+        assert c.health() == "SERVING"
+        assert c.generate("class", max_tokens=3, temperature=0.0).completion_tokens == 3
+    tokens = [t for r in responses for comp in r.completions for t in comp.token_ids]
+    llm = LLM(llama_dir, seed=0)
+    exp = llm.generate("class", SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True), use_tqdm=False)
+    assert tokens == exp[0].outputs[0].token_ids
+    assert responses[-1].finished and responses[-1].usage.completion_tokens == 150
     assert ray.get(replica.actor.pid.remote()) != pid

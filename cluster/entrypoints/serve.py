@@ -38,6 +38,7 @@ class ServeOptions:
     data_parallel_size: int = 1
     max_waiting_requests: int | None = None
     max_concurrent_requests: int = 4096  # over all protocols; beyond it RESOURCE_EXHAUSTED / HTTP 429 at once
+    step_timeout: float = 120.0  # an engine step making no progress this long restarts the engine; 0: never
     drain_timeout: float = 30.0
     served_model_name: str | None = None
     metrics_port: int = 9400  # 0: no /metrics endpoint
@@ -73,7 +74,7 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
     def start_replicas() -> list[Replica]:
         if private_ray is not None:
             private_ray.start()
-        return launch_replicas(args, opts.data_parallel_size, opts.max_waiting_requests)
+        return launch_replicas(args, opts.data_parallel_size, opts.max_waiting_requests, opts.step_timeout or None)
 
     try:
         launch = asyncio.ensure_future(asyncio.to_thread(start_replicas))
@@ -123,6 +124,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(HTTP 429) at once")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help="seconds running requests get on SIGTERM")
+    g.add_argument("--step-timeout", type=float, default=d.step_timeout,
+                   help="seconds an engine step may make no progress before the engine is restarted (its requests "
+                        "resume); 0: never")
     g.add_argument("--served-model-name", default=None, help="the model_name label and GetModelInfo name")
     g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0: off)")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -22,7 +24,7 @@ from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineSt
 from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.executor import RayPlacement, create_executor
 from pagedserve.errors import OverloadedError
-from pagedserve.outputs import EngineCoreOutput
+from pagedserve.outputs import EngineCoreOutput, EngineHealth
 
 logger = logging.getLogger(__name__)
 
@@ -37,29 +39,51 @@ class EngineCoreActor:
     outnumber the cores it stops spinning between parallel regions: built on one thread and stepped on another, the
     engine lost 15.6% against the offline one here (5000 context switches/s), on one thread 7.6% (474/s). Steps back
     to back because a round trip through the event loop between two steps idled the engine for every dispatch.
+
+    A watchdog (``step_timeout`` seconds, None: off) restarts an engine whose step makes no progress: it kills the
+    TP workers, so the step fails and the core rebuilds them (the requests start over on the new group), or, with
+    the model in this actor, ends the actor for Ray to restart (the gateway then resumes the requests).
     """
 
     def __init__(self, engine_args: EngineArgs, max_waiting_requests: int | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, step_timeout: float | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         placement_group = ray.util.get_current_placement_group()  # read on the actor's thread (task context)
         self.core = self._engine_thread.submit(self._build_core, engine_args, num_threads, placement_group).result()
         self.metrics = EngineCoreMetrics(self.core)
         self.max_waiting_requests = max_waiting_requests
+        self.step_timeout = step_timeout
         self._owner: dict[str, str] = {}  # request id -> gateway (client) id; event loop only
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stepping = False  # a step is queued on the engine thread; engine thread only
         self._stopped = False
+        self._step_started: float | None = None  # monotonic start of the step in progress (engine thread writes)
+        self._healthy = EngineHealth(True)
+        self._watchdog_task: asyncio.Task | None = None
+        # Read before a step can hang: a hung worker answers no call, not even for its pid.
+        self._worker_pids: list[int] = self.core.executor.worker_pids()
 
-    @staticmethod
-    def _build_core(engine_args: EngineArgs, num_threads: int | None, placement_group) -> EngineCore:
+    def _build_core(self, engine_args: EngineArgs, num_threads: int | None, placement_group) -> EngineCore:
         if num_threads:
             torch.set_num_threads(num_threads)
         # With tensor parallelism the ranks sit in bundles 1..tp of this actor's placement group.
         placement = RayPlacement(placement_group, first_bundle=1)
-        return EngineCore(engine_args.create_engine_config(), lambda cfg: create_executor(cfg, placement))
+        return EngineCore(engine_args.create_engine_config(), lambda cfg: create_executor(cfg, placement),
+                          on_health=self._on_core_health)
+
+    def _on_core_health(self, healthy: bool, reason: str) -> None:
+        """Engine thread: the core stopped (or started again) being able to serve."""
+        if healthy:
+            self._worker_pids = self.core.executor.worker_pids()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._broadcast, EngineHealth(healthy, reason))
+
+    def _broadcast(self, event: EngineHealth) -> None:
+        self._healthy = event
+        for q in self._queues.values():
+            q.put_nowait([event])
 
     # ---- the engine thread -------------------------------------------------------------------------------------
     async def _on_engine(self, fn: Callable[..., T], *args) -> T:
@@ -77,21 +101,26 @@ class EngineCoreActor:
         if self._stopped or not self.core.has_unfinished_requests():
             self._stepping = False
             return
+        self._step_started = time.monotonic()
         try:
             outputs = self.core.step()
             self.metrics.on_step(outputs, self.core.last_step)
         except Exception as e:  # a bug, not a worker death (the core recovers from those)
             logger.exception("engine step failed; failing the running requests")
             outputs = self.core.scheduler.fail_all(f"engine step failed: {e}")
+        finally:
+            self._step_started = None
         if outputs:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
         self._engine_thread.submit(self._step)
 
-    def _add(self, request: EngineCoreRequest) -> None:
+    def _add(self, request: EngineCoreRequest) -> int:
         if self.max_waiting_requests is not None and len(self.core.scheduler.waiting) >= self.max_waiting_requests:
             raise OverloadedError(f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
-        self.metrics.track(self.core.add_request(request))
+        req = self.core.add_request(request)
+        self.metrics.track(req)
         self._kick()
+        return req.seed
 
     def _abort(self, request_ids: list[str]) -> list[str]:
         found = [rid for rid in request_ids if self.core.abort_request(rid) is not None]
@@ -106,11 +135,12 @@ class EngineCoreActor:
     def _queue(self, client_id: str) -> asyncio.Queue:
         return self._queues.setdefault(client_id, asyncio.Queue())
 
-    async def add_request(self, client_id: str, request: EngineCoreRequest) -> None:
+    async def add_request(self, client_id: str, request: EngineCoreRequest) -> int:
+        """Queue a request; returns its base seed (what a resume on another engine needs)."""
         self._queue(client_id)
         self._owner[request.request_id] = client_id
         try:
-            await self._on_engine(self._add, request)
+            return await self._on_engine(self._add, request)
         except BaseException:
             self._owner.pop(request.request_id, None)
             raise
@@ -125,8 +155,11 @@ class EngineCoreActor:
         await self._on_engine(self._stop_sequence, request_id, index)
 
     async def output_stream(self, client_id: str):
-        """Yields lists of ``EngineCoreOutput`` for this client's requests, a list per step (or more if it lags)."""
+        """Yields lists of ``EngineCoreOutput`` for this client's requests, a list per step (or more if it lags), and
+        ``EngineHealth`` events when the engine stops or starts being able to serve."""
         q = self._queue(client_id)
+        if not self._healthy.healthy:  # a gateway (re)connecting while the workers are being rebuilt
+            q.put_nowait([self._healthy])
         try:
             while True:
                 batch = await q.get()
@@ -150,8 +183,27 @@ class EngineCoreActor:
 
     async def warmup(self) -> None:
         """Run one tiny request through the whole path (the health check turns SERVING after this); a no-op on a
-        replica that is serving already (a gateway checking a restarted replica)."""
+        replica that is serving already (a gateway checking a restarted replica). Starts the step watchdog."""
         await self._on_engine(self.core.warmup)
+        if self.step_timeout and self._watchdog_task is None:
+            self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog())
+
+    async def _watchdog(self) -> None:
+        while not self._stopped:
+            await asyncio.sleep(min(1.0, self.step_timeout / 4))
+            started = self._step_started
+            if started is None or not self._healthy.healthy or time.monotonic() - started < self.step_timeout:
+                continue
+            reason = f"an engine step made no progress for {self.step_timeout:.0f} s; restarting the engine"
+            logger.error(reason)
+            self._broadcast(EngineHealth(False, reason))
+            if not self._worker_pids:  # the model runs in this process: Ray restarts the actor, the gateway resumes
+                os._exit(70)
+            for pid in self._worker_pids:  # the hung step fails with WorkerFailedError; the core rebuilds the group
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def get_info(self) -> EngineInfo:
         return self.core.get_info()

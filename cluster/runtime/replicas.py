@@ -31,8 +31,8 @@ class Replica:
         return list(ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"].values())
 
 
-def launch_replicas(args: EngineArgs, data_parallel_size: int = 1,
-                    max_waiting_requests: int | None = None) -> list[Replica]:
+def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_requests: int | None = None,
+                    step_timeout: float | None = None) -> list[Replica]:
     """Start ``data_parallel_size`` replicas and warm them up; raises if they cannot be placed or loaded."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
@@ -60,7 +60,7 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                      placement_group_bundle_index=0,
                                                                      placement_group_capture_child_tasks=False),
-            ).remote(args, max_waiting_requests, threads)
+            ).remote(args, max_waiting_requests, threads, step_timeout)
             replicas.append(Replica(i, actor, pg))
         ray.get([r.actor.warmup.remote() for r in replicas])
     except BaseException:

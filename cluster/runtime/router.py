@@ -4,10 +4,12 @@ generator each) and turns token ids into text with an ``OutputProcessor``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import ray
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -18,13 +20,15 @@ from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
-from pagedserve.outputs import BeamSearchOutput, RequestOutput
+from pagedserve.outputs import BeamSearchOutput, EngineCoreOutput, EngineHealth, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 5.0
 INLINE_TOKENIZE_CHARS = 16_384  # longer text prompts are tokenized on a worker thread
+MAX_RESUMES = 3  # engines a request may lose and still finish
+RESUME_WAIT_S = 120.0  # how long a request whose engine died waits for one that can take it
 
 
 def unwrap(e: BaseException) -> BaseException:
@@ -34,8 +38,25 @@ def unwrap(e: BaseException) -> BaseException:
     return e
 
 
+@dataclass(eq=False)
+class _InFlight:
+    """A request this gateway runs, and what it takes to resume it on another engine."""
+
+    request: EngineCoreRequest
+    queue: asyncio.Queue
+    replica: int
+    seed: int | None = None  # the engine's base seed, once it took the request
+    attempts: int = 0  # engines that died under it
+
+
 class ReplicaRouter(EngineClient):
-    """``infos``: each replica's ``EngineInfo``; requests are validated against the smallest KV pool."""
+    """``infos``: each replica's ``EngineInfo``; requests are validated against the smallest KV pool.
+
+    When a replica's engine-core actor dies, its requests are resumed rather than failed: each goes, with the
+    tokens it has streamed so far and its seed, to the restarted replica or to another healthy one, and continues
+    where it stopped (a greedy or seeded stream ends with exactly the tokens it would have had). A request that
+    loses its engine more than ``MAX_RESUMES`` times, or finds none within ``RESUME_WAIT_S``, ends UNAVAILABLE.
+    """
 
     def __init__(self, replicas: list[Replica], tokenizer, infos: list[EngineInfo]) -> None:
         self.replicas = replicas
@@ -43,58 +64,89 @@ class ReplicaRouter(EngineClient):
         self.client_id = uuid.uuid4().hex
         self.input_processor = InputProcessor(tokenizer, self.info)
         self.processor = OutputProcessor(tokenizer, self._stop_sequence)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._replica_of: dict[str, int] = {}
+        self._inflight: dict[str, _InFlight] = {}
         self.load = [0] * len(replicas)  # running requests per replica, from this gateway
-        self.alive = [True] * len(replicas)
+        self.alive = [True] * len(replicas)  # its actor is up
+        self.ready = [True] * len(replicas)  # and not rebuilding its workers
+        self.gone = [False] * len(replicas)  # dead for good (Ray's restarts spent)
         self._pumps: list[asyncio.Task] = []
         self._health_listeners: list[Callable[[], Awaitable[None]]] = []
+        self._changed = asyncio.Event()  # set (and replaced) whenever a replica's state changes
 
     def start(self) -> None:
         self._pumps = [asyncio.get_running_loop().create_task(self._pump(r)) for r in self.replicas]
 
     @property
     def num_running(self) -> int:
-        return len(self._queues)
+        return len(self._inflight)
 
     def _stop_sequence(self, request_id: str, index: int) -> None:
-        i = self._replica_of.get(request_id)
-        if i is not None:
-            self.replicas[i].actor.stop_sequence.remote(request_id, index)
+        rec = self._inflight.get(request_id)
+        if rec is not None:
+            self.replicas[rec.replica].actor.stop_sequence.remote(request_id, index)
 
-    async def _pump(self, replica: Replica) -> None:
-        """Receive the replica's outputs; when its actor dies, fail its requests and wait for Ray to restart it."""
-        while True:
-            gen = replica.actor.output_stream.options(num_returns="streaming").remote(self.client_id)
-            try:
-                async for ref in gen:
-                    self._deliver(await ref)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                logger.error("replica %d failed: %s", replica.index, e)
-            await self._set_alive(replica.index, False)
-            err = EngineUnavailableError(f"model replica {replica.index} failed; retry the request")
-            for rid, i in list(self._replica_of.items()):
-                if i == replica.index:
-                    self._queues[rid].put_nowait(err)
-            if not await self._await_restart(replica):
-                return
-            logger.info("replica %d restarted", replica.index)
-            await self._set_alive(replica.index, True)
+    # ---- replica state -----------------------------------------------------------------------------------------
+    def _serving(self, i: int) -> bool:
+        return self.alive[i] and self.ready[i]
 
     @property
     def healthy(self) -> bool:
-        return any(self.alive)
+        return any(self._serving(i) for i in range(len(self.replicas)))
 
     def add_health_listener(self, listener: Callable[[], Awaitable[None]]) -> None:
         self._health_listeners.append(listener)
 
-    async def _set_alive(self, index: int, alive: bool) -> None:
-        self.alive[index] = alive
+    async def _set_state(self, i: int, *, alive: bool | None = None, ready: bool | None = None) -> None:
+        if alive is not None:
+            self.alive[i] = alive
+        if ready is not None:
+            self.ready[i] = ready
+        self._changed.set()
+        self._changed = asyncio.Event()
         for listener in self._health_listeners:
             await listener()
+
+    def _pick(self) -> int:
+        live = [i for i in range(len(self.replicas)) if self._serving(i)]
+        if not live:
+            raise EngineUnavailableError("no model replica is available")
+        return min(live, key=lambda i: self.load[i])
+
+    async def _wait_for_replica(self) -> int | None:
+        """A replica that can serve, waiting up to RESUME_WAIT_S for one; None if none comes."""
+        deadline = asyncio.get_running_loop().time() + RESUME_WAIT_S
+        while True:
+            with contextlib.suppress(EngineUnavailableError):
+                return self._pick()
+            left = deadline - asyncio.get_running_loop().time()
+            if all(self.gone) or left <= 0:
+                return None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+
+    # ---- receiving ---------------------------------------------------------------------------------------------
+    async def _pump(self, replica: Replica) -> None:
+        """Receive the replica's outputs; when its actor dies, resume its requests and wait for Ray to restart it."""
+        i = replica.index
+        while True:
+            gen = replica.actor.output_stream.options(num_returns="streaming").remote(self.client_id)
+            try:
+                async for ref in gen:
+                    await self._deliver(i, await ref)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.error("replica %d failed: %s", i, e)
+            await self._set_state(i, alive=False)
+            for rec in [r for r in self._inflight.values() if r.replica == i]:
+                asyncio.get_running_loop().create_task(self._resume(rec))
+            if not await self._await_restart(replica):
+                self.gone[i] = True
+                await self._set_state(i)
+                return
+            logger.info("replica %d restarted", i)
+            await self._set_state(i, alive=True, ready=True)
 
     @staticmethod
     async def _await_restart(replica: Replica) -> bool:
@@ -109,21 +161,52 @@ class ReplicaRouter(EngineClient):
                 logger.error("replica %d is gone for good: %s", replica.index, e)
                 return False
 
-    def _deliver(self, batch) -> None:
-        for out in self.processor.process(batch):
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+    async def _deliver(self, i: int, batch: list[EngineCoreOutput | EngineHealth]) -> None:
+        outputs = []
+        for item in batch:
+            if isinstance(item, EngineHealth):
+                logger.log(logging.INFO if item.healthy else logging.WARNING, "replica %d %s", i,
+                           "serves again" if item.healthy else f"cannot serve: {item.reason}")
+                await self._set_state(i, ready=item.healthy)
+            else:
+                outputs.append(item)
+        for out in self.processor.process(outputs):
+            rec = self._inflight.get(out.request_id)
+            if rec is not None:
+                rec.queue.put_nowait(out)
 
-    def _pick(self) -> int:
-        live = [i for i, ok in enumerate(self.alive) if ok]
-        if not live:
-            raise EngineUnavailableError("no model replica is available")
-        return min(live, key=lambda i: self.load[i])
+    async def _resume(self, rec: _InFlight) -> None:
+        """Send a request whose engine died to another (or the restarted) one, from where it stood."""
+        rid = rec.request.request_id
+        rec.attempts += 1
+        error = None
+        if rec.seed is None:
+            error = "its model replica failed before it started; retry the request"
+        elif rec.attempts > MAX_RESUMES:
+            error = f"its model replica failed {rec.attempts} times; retry the request"
+        j = None if error else await self._wait_for_replica()
+        if self._inflight.get(rid) is not rec:  # cancelled or finished meanwhile
+            return
+        if error is None and j is None:
+            error = "no model replica came back to resume it; retry the request"
+        if error is not None:
+            rec.queue.put_nowait(EngineUnavailableError(error))
+            return
+        state = self.processor.resume_state(rid, rec.seed)
+        self.load[rec.replica] -= 1
+        rec.replica = j
+        self.load[j] += 1
+        logger.info("resuming request %s on replica %d (attempt %d)", rid, j, rec.attempts)
+        try:
+            await self.replicas[j].actor.add_request.remote(self.client_id,
+                                                            dataclasses.replace(rec.request, resume=state))
+        except ray.exceptions.RayError as e:
+            rec.queue.put_nowait(EngineUnavailableError(f"model replica {j} failed resuming it: {type(e).__name__}"))
 
+    # ---- the EngineClient API ----------------------------------------------------------------------------------
     async def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
                       cache_salt: str | None = None) -> tuple[str | None, EngineCoreRequest]:
-        if request_id in self._queues:
+        if request_id in self._inflight:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
         if isinstance(prompt, str) and len(prompt) > INLINE_TOKENIZE_CHARS:
             # ~0.75 us a character here (16 kB inline: ~12 ms); longer ones off the event loop, which streams every
@@ -134,19 +217,18 @@ class ReplicaRouter(EngineClient):
     async def generate(self, prompt: str | None, request: EngineCoreRequest,
                        stream: bool = True) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
         request_id = request.request_id
-        if request_id in self._queues:
+        if request_id in self._inflight:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
-        i = self._pick()
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        self._replica_of[request_id] = i
-        self.load[i] += 1
+        rec = _InFlight(request, asyncio.Queue(), self._pick())
+        self._inflight[request_id] = rec
+        self.load[rec.replica] += 1
         finished = False
         try:
             self.processor.add_request(request_id, prompt, request.prompt_token_ids, request.params, stream,
                                        delta=True)
+            i = rec.replica
             try:
-                await self.replicas[i].actor.add_request.remote(self.client_id, request)
+                rec.seed = await self.replicas[i].actor.add_request.remote(self.client_id, request)
             except ray.exceptions.RayTaskError as e:
                 cause = unwrap(e)
                 if isinstance(cause, (ValueError, OverloadedError)):
@@ -156,34 +238,32 @@ class ReplicaRouter(EngineClient):
             except ray.exceptions.RayError as e:
                 raise EngineUnavailableError(f"model replica {i} is unavailable: {type(e).__name__}") from None
             while True:
-                item = await q.get()
+                item = await rec.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, RequestOutput) and any(c.finish_reason == "error" for c in item.outputs):
                     finished = True
-                    raise EngineUnavailableError("the model workers failed while this request ran; retry it")
+                    raise EngineUnavailableError("the model workers failed under this request repeatedly; retry it")
                 finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
-            self._replica_of.pop(request_id, None)
-            self.load[i] -= 1
+            self._inflight.pop(request_id, None)
+            self.load[rec.replica] -= 1
             self.processor.abort(request_id)
-            if not finished and self.alive[i]:
-                self.replicas[i].actor.abort.remote([request_id])
+            if not finished and self.alive[rec.replica]:
+                self.replicas[rec.replica].actor.abort.remote([request_id])
 
     async def abort(self, request_id: str) -> bool:
         """End a running request: its stream ends with finish reason "abort"."""
-        i = self._replica_of.get(request_id)
-        if i is None:
+        rec = self._inflight.get(request_id)
+        if rec is None:
             return False
         out = self.processor.abort_output(request_id)
-        await self.replicas[i].actor.abort.remote([request_id])
-        q = self._queues.get(request_id)
-        if q is not None and out is not None:
-            q.put_nowait(out)
+        await self.replicas[rec.replica].actor.abort.remote([request_id])
+        if out is not None:
+            rec.queue.put_nowait(out)
         return True
 
     async def get_stats(self) -> list[EngineStats]:
