@@ -1,6 +1,7 @@
 """The offline API, as in vLLM: ``LLM(model).generate(prompts, sampling_params)``."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -22,13 +23,22 @@ class LLM:
         args = EngineArgs(model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
                           dtype=dtype, seed=seed, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
+        # Workers (Ray actors, placement group) go when the LLM does: on shutdown(), leaving a `with` block, the
+        # last reference dropped, or interpreter exit, whichever comes first.
+        self._release = weakref.finalize(self, self.llm_engine.core.shutdown)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
     def shutdown(self) -> None:
-        """Release the workers (Ray actors and their placement group for tensor parallelism)."""
-        self.llm_engine.core.shutdown()
+        """Release the workers (Ray actors and their placement group for tensor parallelism) now."""
+        self._release()
 
     def reset_prefix_cache(self) -> None:
         self.llm_engine.core.reset_prefix_cache()

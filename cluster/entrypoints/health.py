@@ -12,12 +12,14 @@ from pagedserve.cluster.entrypoints.args import add_server_target_args
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_target_args(p, api_key=False)  # health checks need no key
+    p.add_argument("--ca-cert", default=None, help="PEM root certificate(s) for TLS (default: the system's)")
     p.add_argument("--wait", type=float, default=0.0, help="poll up to this many seconds for SERVING")
 
 
 def run(ns: argparse.Namespace) -> int:
     deadline = time.monotonic() + ns.wait
-    with Client(ns.server, tls=ns.tls, timeout=5) as client:
+    root = open(ns.ca_cert, "rb").read() if ns.ca_cert else None
+    with Client(ns.server, tls=ns.tls, root_certificates=root, timeout=5) as client:
         while True:
             try:
                 status = client.health()

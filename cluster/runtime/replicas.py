@@ -52,7 +52,7 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
                 cpu = rank_cpus(tp * data_parallel_size, gpu, CORE_ACTOR_CPUS * data_parallel_size)
                 bundles = [{"CPU": CORE_ACTOR_CPUS}] + [rank_bundle(cpu, gpu)] * tp
                 opts = {"num_cpus": CORE_ACTOR_CPUS}
-            pg = make_placement_group(bundles)
+            pg = make_placement_group(bundles, f"replica{i}")
             threads = max(1, (os.cpu_count() or 1) // data_parallel_size) if in_actor else 1
             actor = ray.remote(EngineCoreActor).options(
                 # Ray restarts a dead engine-core actor (its TP workers die with it; the new one rebuilds them).

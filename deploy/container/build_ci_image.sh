@@ -9,8 +9,8 @@
 #   5. serves from a container with published ports and, from the host, checks `pagedserve health` (SERVING),
 #      the image's HEALTHCHECK, /metrics and a generate call; then stops it with SIGTERM while a stream runs and
 #      checks that the stream completes and the container exits 0 within the drain timeout.
-# Exits non-zero with a message at the first failure; removes its containers either way. Run as root (or with
-# passwordless sudo) from anywhere:  bash deploy/container/build_ci_image.sh
+# Exits non-zero with a message at the first failure; removes its containers either way. Run as root (podman
+# rootful; CI is root here) from anywhere:  bash deploy/container/build_ci_image.sh
 # Environment: PAGEDSERVE (host CLI, default .venv/bin/pagedserve), TORCH_WHEEL (a CPU torch wheel to use instead
 # of pip's pick), IMAGE (default localhost/pagedserve:ci), KEEP_IMAGES=0 (remove the built image at the end).
 set -euo pipefail
@@ -23,7 +23,8 @@ PAGEDSERVE="${PAGEDSERVE:-$REPO/.venv/bin/pagedserve}"
 DRAIN_TIMEOUT=20
 DEMO_CTR=pagedserve-ci-demo
 SERVE_CTR=pagedserve-ci-serve
-KERNEL_CACHE=pagedserve-ci-torch-extensions  # named volume: the compiled kernel is reused by later containers
+# A volume new in every run: the demo builds the CPU kernel into it at first start, the server reuses it.
+KERNEL_CACHE=pagedserve-ci-torch-extensions
 export CONTAINERS_CONF="$HERE/containers.conf"
 
 WORK="$(mktemp -d)"
@@ -37,12 +38,23 @@ timed() {  # timed LABEL CMD...: runs CMD and records how long it took
     "$@"
     TIMINGS+=("$(printf '%-34s %4d s' "$label" $((SECONDS - t)))")
 }
+remove_containers() {
+    local name
+    for name in "$DEMO_CTR" "$SERVE_CTR"; do
+        # Retried: right after a stop, podman's own exit cleanup can hold the container for a moment.
+        for _ in 1 2 3 4 5; do
+            podman container exists "$name" || break
+            podman rm -f -t 0 "$name" >/dev/null 2>&1 || sleep 1
+        done
+    done
+    podman volume rm -f "$KERNEL_CACHE" >/dev/null 2>&1 || true
+}
 cleanup() {
     local rc=$?
     if [ "$rc" -ne 0 ]; then
         podman logs --tail 40 "$SERVE_CTR" 2>/dev/null | sed 's/^/[serve log] /' >&2 || true
     fi
-    podman rm -f -t 0 "$DEMO_CTR" "$SERVE_CTR" >/dev/null 2>&1 || true
+    remove_containers
     [ "${KEEP_IMAGES:-1}" = 1 ] || podman rmi -f "$IMAGE" >/dev/null 2>&1 || true
     rm -rf "$WORK"
     if [ "${#TIMINGS[@]}" -gt 0 ]; then
@@ -62,9 +74,10 @@ install_tools() {
     log "installing ${need[*]} (Debian packages)"
     # netavark + iptables: the network stack that publishes ports (containers-common would accept CNI instead).
     local pkgs=(podman buildah runc debootstrap netavark aardvark-dns iptables)
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}" ||
-        { as_root apt-get update -q && as_root env DEBIAN_FRONTEND=noninteractive \
-            apt-get install -y -q --no-install-recommends "${pkgs[@]}"; } || die "apt-get install ${pkgs[*]}"
+    apt_install() { as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}"; }
+    # The package lists as they are first; refreshed only when that fails.
+    { apt_install || { as_root apt-get update -q && apt_install; }; } >"$WORK/apt.log" 2>&1 ||
+        { tail -20 "$WORK/apt.log" >&2; die "apt-get install ${pkgs[*]}"; }
 }
 
 make_base() {
@@ -87,8 +100,8 @@ torch_wheel() {  # prints the folder holding the CPU torch wheel
         cp "$TORCH_WHEEL" "$WORK/torch-wheels/"
     else
         # Where pip resolves torch==2.13.0 on this host (a local CPU wheel through pip's find-links, here).
-        "$REPO/.venv/bin/pip" download -q --no-deps torch==2.13.0 -d "$WORK/torch-wheels" >&2 ||
-            die "pip download torch==2.13.0"
+        "$REPO/.venv/bin/pip" download -q --no-deps torch==2.13.0 -d "$WORK/torch-wheels" 2>"$WORK/pip.err" ||
+            { cat "$WORK/pip.err" >&2; die "pip download torch==2.13.0"; }
     fi
     local whl; whl="$(ls "$WORK"/torch-wheels/torch-*.whl)"
     case "$whl" in
@@ -108,6 +121,7 @@ build_image() {
     podman build -f "$HERE/Containerfile" --ignorefile "$HERE/Containerfile.dockerignore" --format docker \
         --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-context "torch-wheels=$wheels" "${secret[@]}" \
         -t "$IMAGE" "$REPO" >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log" >&2; die "podman build"; }
+    podman image prune -f >/dev/null  # earlier builds' images; the layers this one was built from stay as cache
     podman run --rm --no-healthcheck --entrypoint python "$IMAGE" -c \
         'import torch; assert torch.version.cuda is None, torch.__version__' || die "the image's torch is not the CPU build"
     [ "$(podman image inspect --format '{{.Config.User}}' "$IMAGE")" = "10001:10001" ] || die "the image does not run as user 10001"
@@ -118,15 +132,19 @@ run_demo() {
         "$IMAGE" demo >"$WORK/demo.log" 2>&1 || { tail -30 "$WORK/demo.log" >&2; die "pagedserve demo exited non-zero in the container"; }
     grep -E '^\[[0-3]\] ' "$WORK/demo.log" | head -8 >&2
     grep -qE '^\[4 requests, [1-9][0-9]* tokens' "$WORK/demo.log" || { cat "$WORK/demo.log" >&2; die "the demo printed no completions"; }
+    if grep -q "CPU attention kernel unavailable" "$WORK/demo.log"; then
+        grep "kernel unavailable" "$WORK/demo.log" >&2; die "the image could not build the CPU attention kernel"
+    fi
 }
 
 host_port() { podman port "$SERVE_CTR" "$1/tcp" | head -1 | sed 's/.*://'; }
 
 start_server() {
     # Ports published on the host's loopback only, each on a free port podman picks.
+    # Without systemd podman cannot time the HEALTHCHECK (it logs that on stderr); check_server runs it by hand.
     podman run -d --name "$SERVE_CTR" --shm-size=1g -v "$KERNEL_CACHE:/var/cache/pagedserve/torch_extensions" \
-        -p 127.0.0.1::50051 -p 127.0.0.1::9400 "$IMAGE" serve --host 0.0.0.0 --drain-timeout "$DRAIN_TIMEOUT" >/dev/null ||
-        die "podman run serve"
+        -p 127.0.0.1::50051 -p 127.0.0.1::9400 "$IMAGE" serve --host 0.0.0.0 --drain-timeout "$DRAIN_TIMEOUT" \
+        >/dev/null 2>"$WORK/podman.err" || { cat "$WORK/podman.err" >&2; die "podman run serve"; }
     GRPC="127.0.0.1:$(host_port 50051)"
     METRICS="127.0.0.1:$(host_port 9400)"
     local status
@@ -155,10 +173,12 @@ stop_server() {
     local client=$! t
     sleep 1
     t=$SECONDS
-    podman stop -t $((DRAIN_TIMEOUT + 30)) "$SERVE_CTR" >/dev/null
+    podman stop -t $((DRAIN_TIMEOUT + 30)) "$SERVE_CTR" >/dev/null 2>"$WORK/podman.err" ||
+        { cat "$WORK/podman.err" >&2; die "podman stop"; }
     local took=$((SECONDS - t)) code
     code="$(podman inspect --format '{{.State.ExitCode}}' "$SERVE_CTR")"
     wait "$client" || { cat "$WORK/drain.out" >&2; die "the stream in flight at SIGTERM failed instead of draining"; }
+    [ "$(wc -c <"$WORK/drain.out")" -gt 40 ] || { cat "$WORK/drain.out" >&2; die "the draining stream returned no text"; }
     [ "$code" = 0 ] || die "the server exited $code after SIGTERM (want 0)"
     [ "$took" -le $((DRAIN_TIMEOUT + 10)) ] || die "the server took ${took} s to stop (drain timeout ${DRAIN_TIMEOUT} s)"
     log "SIGTERM: the running stream finished, exit code 0 after ${took} s"
@@ -167,6 +187,7 @@ stop_server() {
 cd "$REPO"
 [ -x "$PAGEDSERVE" ] || die "no host CLI at $PAGEDSERVE (run .ci/install first, or set PAGEDSERVE)"
 timed "install podman/buildah/debootstrap" install_tools
+remove_containers  # left over by a run that was killed
 make_base
 timed "podman build" build_image
 timed "pagedserve demo in a container" run_demo

@@ -70,7 +70,7 @@ class RayExecutor(Executor):
         gpu = config.device == "cuda"
         self.owns_pg = placement is None
         if placement is None:
-            placement = RayPlacement(make_placement_group([rank_bundle(rank_cpus(tp, gpu), gpu)] * tp))
+            placement = RayPlacement(make_placement_group([rank_bundle(rank_cpus(tp, gpu), gpu)] * tp, "llm"))
         self.pg = placement.placement_group
         first = placement.first_bundle
         cpu = self.pg.bundle_specs[first].get("CPU", 0.0)
@@ -119,6 +119,10 @@ class RayExecutor(Executor):
         return ray.get([w.pid.remote() for w in self.workers])
 
     def shutdown(self) -> None:
+        """Kill the workers and release the placement group; safe to call twice, and after Ray shut down."""
+        if not ray.is_initialized():
+            self.workers, self.dag = [], None
+            return
         for w in self.workers:
             ray.kill(w, no_restart=True)
         if self.dag is not None:
@@ -128,5 +132,6 @@ class RayExecutor(Executor):
                 logger.debug("compiled graph teardown: %s", e)
             self.dag = None
         self.workers = []
-        if self.owns_pg:
+        if self.owns_pg and self.pg is not None:
             remove_placement_group(self.pg)
+            self.pg = None

@@ -1,12 +1,16 @@
 """Ray start-up and placement: shared by the Ray executor and the serving runtime's replicas."""
 from __future__ import annotations
 
+import itertools
 import os
+import time
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
-PLACEMENT_TIMEOUT_S = 120
+PLACEMENT_TIMEOUT_S = 120  # for resources that may yet come (a node joining)
+HELD_CHECK_S = 5.0  # after this, resources held by other placement groups are reported rather than waited for
+_names = itertools.count()
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -35,8 +39,45 @@ def rank_bundle(cpu: float, gpu: bool) -> dict[str, float]:
     return {"GPU": 1, "CPU": cpu} if gpu else {"CPU": cpu}
 
 
-def make_placement_group(bundles: list[dict[str, float]]) -> PlacementGroup:
-    """One replica's resources on one node (a TP group never spans nodes)."""
-    pg = placement_group(bundles, strategy="STRICT_PACK")
-    ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    return pg
+def make_placement_group(bundles: list[dict[str, float]], role: str) -> PlacementGroup:
+    """One engine's resources on one node (a TP group never spans nodes). ``role`` names it, so that an engine
+    that cannot be placed can say which others hold the resources. Raises RuntimeError saying why, within
+    ``HELD_CHECK_S`` when other placement groups hold what it needs, else after ``PLACEMENT_TIMEOUT_S``."""
+    name = f"pagedserve-{role}-pid{os.getpid()}-{next(_names)}"
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=name)
+    start = time.monotonic()
+    while True:
+        try:
+            ray.get(pg.ready(), timeout=1.0)
+            return pg
+        except ray.exceptions.GetTimeoutError:
+            waited = time.monotonic() - start
+            why = _unplaceable(bundles, name) if waited > HELD_CHECK_S else None
+            if why is None and waited > PLACEMENT_TIMEOUT_S:
+                why = f"{name} was not placed in {PLACEMENT_TIMEOUT_S} s (available: {ray.available_resources()})"
+            if why is not None:
+                remove_placement_group(pg)
+                raise RuntimeError(why) from None
+
+
+def _unplaceable(bundles: list[dict[str, float]], name: str) -> str | None:
+    """Why the bundles cannot be placed now, if other placement groups hold what they need; else None (wait)."""
+    need = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
+    total, free = ray.cluster_resources(), ray.available_resources()
+    short = [k for k, v in need.items() if v > free.get(k, 0.0) + 1e-9]
+    if not short:
+        return None
+    holders = []
+    for pg in placement_group_table().values():
+        if pg["state"] != "CREATED" or pg["name"] == name:
+            continue
+        held = {k: sum(b.get(k, 0.0) for b in pg["bundles"].values()) for k in short}
+        if any(held.values()):
+            amounts = ", ".join(f"{v:g} {k}" for k, v in held.items() if v)
+            holders.append(f"{pg['name'] or pg['placement_group_id']} ({amounts})")
+    if not holders:
+        return None
+    wants = ", ".join(f"{need[k]:g} {k} (the cluster has {total.get(k, 0.0):g}, {free.get(k, 0.0):g} free)"
+                      for k in short)
+    return (f"cannot place {name}: it needs {wants}; held by placement group(s) {'; '.join(holders)}. "
+            "Release those engines (LLM.shutdown(), `with LLM(...)`, or dropping them) or add resources.")

@@ -1,0 +1,500 @@
+"""The Helm chart in deploy/helm/pagedserve, rendered by Helm itself (Helm 4's Go SDK through helm-python-sdk) for
+the value sets in its ci/ folder, and checked without a cluster: `helm lint --strict`; every built-in object against
+the Kubernetes JSON schema in strict mode (kubernetes-validate); the custom resources field by field against what the
+KubeRay and Prometheus-operator CRDs document; and assertions on the rendered objects in the manner of helm-unittest.
+deploy/helm/install_helm.sh installs both tools."""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+helm = pytest.importorskip(
+    "helm_python", reason="helm-python-sdk (Helm's SDK) is missing: run deploy/helm/install_helm.sh")
+kv = pytest.importorskip(
+    "kubernetes_validate.utils", reason="kubernetes-validate is missing: run deploy/helm/install_helm.sh")
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "deploy" / "helm" / "pagedserve"
+VALUE_SETS = sorted(p.stem.removesuffix("-values") for p in (CHART / "ci").glob("*-values.yaml"))
+K8S_VERSION = "1.37.0"  # the newest Kubernetes kubernetes-validate has schemas for
+CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PrometheusRule"}
+GPU = "nvidia.com/gpu"
+
+
+def values(name: str) -> dict:
+    return yaml.safe_load((CHART / "ci" / f"{name}-values.yaml").read_text()) if name else {}
+
+
+def merged(*names: str, **overrides) -> dict:
+    """Value sets layered left to right, then overrides given as dotted paths: merged("cpu", **{"a.b": 1})."""
+    out: dict = {}
+    for layer in [values(n) for n in names] + [_nest(k, v) for k, v in overrides.items()]:
+        _merge(out, layer)
+    return out
+
+
+def _nest(path: str, value) -> dict:
+    for key in reversed(path.split(".")):
+        value = {key: value}
+    return value
+
+
+def _merge(into: dict, layer: dict) -> None:
+    for k, v in layer.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def render(vals: dict) -> dict[str, str]:
+    """helm template: template path -> rendered text (NOTES.txt included)."""
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.render(vals, name="ps", namespace="llm")
+
+
+def objects_for(vals: dict) -> list[dict]:
+    """The rendered Kubernetes objects."""
+    return [d for path, text in render(vals).items() if not path.endswith("NOTES.txt")
+            for d in yaml.safe_load_all(text) if d]
+
+
+@functools.cache
+def objects(*names: str) -> tuple[dict, ...]:
+    """The objects for value sets layered left to right (rendered once per test session)."""
+    return tuple(objects_for(merged(*names)))
+
+
+def one(docs, kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind} objects"
+    return found[0]
+
+
+def pod_templates(docs) -> list[tuple[str, dict]]:
+    """(role, pod template) for every pod the release makes: the server, or the KubeRay head and worker groups."""
+    out = []
+    for d in docs:
+        if d["kind"] == "Deployment":
+            out.append(("server", d["spec"]["template"]))
+        elif d["kind"] == "RayCluster":
+            out.append(("head", d["spec"]["headGroupSpec"]["template"]))
+            out += [(f"worker:{g['groupName']}", g["template"]) for g in d["spec"]["workerGroupSpecs"]]
+    return out
+
+
+def gateway(docs) -> tuple[dict, dict]:
+    """(pod template, container) of the pod that runs `pagedserve serve`."""
+    role, tmpl = pod_templates(docs)[0]
+    assert role in ("server", "head")
+    return tmpl, tmpl["spec"]["containers"][0]
+
+
+def flags(container: dict) -> dict[str, str]:
+    """--name=value arguments of `pagedserve serve`."""
+    return dict(a[2:].split("=", 1) for a in container["args"] if a.startswith("--") and "=" in a)
+
+
+def validate_k8s(obj: dict) -> None:
+    try:
+        kv.validate(obj, K8S_VERSION, strict=True)
+    except kv.ValidationError as e:
+        path = "/".join(str(p) for p in e.absolute_path)
+        raise AssertionError(f"{obj['kind']}/{obj['metadata']['name']} at {path}: {e.message}") from None
+
+
+# ---------------------------------------------------------------- helm lint --strict and the Kubernetes schemas
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_lint_strict(value_set):
+    report = helm.lint(str(CHART), merged(value_set), strict=True, kube_version=f"v{K8S_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors fail --strict
+    assert not report["errors"] and not problems, report
+
+
+def test_value_sets_cover_the_issue():
+    assert set(VALUE_SETS) == {"cpu", "gpu-tp4", "kuberay-dp2", "secured", "observability"}
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_builtin_objects_match_the_kubernetes_schema(value_set):
+    docs = objects(value_set)
+    assert {d["kind"] for d in docs} >= {"Service", "PodDisruptionBudget"}
+    for d in docs:
+        if d["kind"] not in CUSTOM_KINDS:
+            validate_k8s(d)
+
+
+@pytest.mark.parametrize("value_set", ["kuberay-dp2", "observability", "secured"])
+def test_custom_resources_embed_valid_kubernetes_objects(value_set):
+    """A RayCluster's head and worker templates are core/v1 PodTemplateSpecs: validated as such."""
+    docs = objects("kuberay-dp2", value_set) if value_set != "kuberay-dp2" else objects(value_set)
+    for role, tmpl in pod_templates(docs):
+        validate_k8s({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.replace(":", "-")},
+                      "template": tmpl})
+
+
+def test_every_object_has_the_recommended_labels():
+    for names in [("cpu",), ("kuberay-dp2", "observability")]:
+        for d in objects(*names):
+            labels = d["metadata"]["labels"]
+            for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+                        "app.kubernetes.io/managed-by", "helm.sh/chart"):
+                assert labels.get(key), (d["kind"], key)
+            assert labels["app.kubernetes.io/managed-by"] == "Helm"
+
+
+# ---------------------------------------------------------------- custom resources, field by field
+
+def check_fields(obj, documented: dict, where: str) -> None:
+    """documented: field -> expected type (a type, a tuple of types, or a nested dict for an object)."""
+    assert isinstance(obj, dict), f"{where} is not an object"
+    unknown = set(obj) - set(documented)
+    assert not unknown, f"{where}: fields the CRD does not document: {sorted(unknown)}"
+    for key in obj.keys() & documented.keys():
+        kind, value = documented[key], obj[key]
+        if isinstance(kind, dict):
+            check_fields(value, kind, f"{where}.{key}")
+            continue
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        ok = isinstance(value, bool) if bool in kinds else isinstance(value, kinds) and not isinstance(value, bool)
+        assert ok, f"{where}.{key}: {value!r} is not {kind}"
+
+
+STR_MAP = dict  # map[string]string in the CRDs: checked for string values separately
+# ray.io/v1 RayCluster as KubeRay v1.5.1 documents it (ray.io_rayclusters.yaml; authOptions.secretName from v1.6.0).
+RAYCLUSTER_SPEC = {
+    "headGroupSpec": {"template": dict, "rayStartParams": STR_MAP, "serviceType": str, "enableIngress": bool,
+                      "headService": dict, "labels": STR_MAP, "resources": STR_MAP},
+    "workerGroupSpecs": list, "rayVersion": str, "authOptions": {"mode": str, "secretName": str},
+    "enableInTreeAutoscaling": bool, "autoscalerOptions": dict, "headServiceAnnotations": STR_MAP,
+    "suspend": bool, "managedBy": str, "gcsFaultToleranceOptions": dict,
+}
+WORKER_GROUP = {"groupName": str, "replicas": int, "minReplicas": int, "maxReplicas": int, "rayStartParams": STR_MAP,
+                "template": dict, "numOfHosts": int, "idleTimeoutSeconds": int, "scaleStrategy": dict,
+                "suspend": bool, "labels": STR_MAP, "resources": STR_MAP}
+# monitoring.coreos.com/v1 as the Prometheus operator documents them (the fields this chart may set).
+SERVICEMONITOR_SPEC = {"selector": {"matchLabels": STR_MAP, "matchExpressions": list},
+                       "namespaceSelector": {"any": bool, "matchNames": list}, "endpoints": list,
+                       "jobLabel": str, "targetLabels": list, "podTargetLabels": list, "sampleLimit": int}
+SM_ENDPOINT = {"port": str, "targetPort": (int, str), "path": str, "scheme": str, "interval": str,
+               "scrapeTimeout": str, "honorLabels": bool, "tlsConfig": dict, "relabelings": list,
+               "metricRelabelings": list, "params": dict}
+RULE_GROUP = {"name": str, "interval": str, "rules": list, "limit": int, "labels": STR_MAP,
+              "partial_response_strategy": str, "query_offset": str}
+RULE = {"alert": str, "record": str, "expr": (str, int), "for": str, "keep_firing_for": str, "labels": STR_MAP,
+        "annotations": STR_MAP}
+DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+
+
+def assert_str_map(m: dict, where: str) -> None:
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in m.items()), f"{where}: not map[string]string"
+
+
+def test_raycluster_fields_are_kuberays():
+    rc = one(objects("kuberay-dp2"), "RayCluster")
+    assert rc["apiVersion"] == "ray.io/v1"
+    spec = rc["spec"]
+    check_fields(spec, RAYCLUSTER_SPEC, "spec")
+    assert spec["authOptions"] == {"mode": "token"}  # token authentication on; KubeRay generates the token
+    assert spec["rayVersion"] == "2.60.0"
+    head = spec["headGroupSpec"]
+    assert "template" in head and head["serviceType"] in ("ClusterIP", "NodePort", "LoadBalancer")
+    assert_str_map(head["rayStartParams"], "headGroupSpec.rayStartParams")
+    assert head["rayStartParams"]["num-cpus"] == "0"  # no engine actor lands on the gateway's pod
+    groups = spec["workerGroupSpecs"]
+    assert [g["groupName"] for g in groups] == ["h100", "a100"]
+    for g in groups:
+        check_fields(g, WORKER_GROUP, f"workerGroupSpecs[{g['groupName']}]")
+        assert {"groupName", "minReplicas", "maxReplicas", "template"} <= set(g)  # the CRD's required fields
+        assert_str_map(g["rayStartParams"], "rayStartParams")
+        assert 0 <= g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+
+
+def test_raycluster_auth_secret_name():
+    rc = one(objects_for(merged("kuberay-dp2", **{"kuberay.auth.secretName": "ray-token"})), "RayCluster")
+    assert rc["spec"]["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+
+
+def test_kuberay_head_runs_ray_and_the_gateway():
+    """KubeRay keeps our command (annotation) and hands us its `ray start` in $KUBERAY_GEN_RAY_START_CMD: the head
+    starts it in the background, waits for the GCS, then execs the gateway under tini, which alone gets SIGTERM."""
+    rc = one(objects("kuberay-dp2"), "RayCluster")
+    assert rc["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    _, head = gateway(objects("kuberay-dp2"))
+    assert head["command"][:5] == ["tini", "--", "bash", "-c", head["command"][4]]
+    script = head["command"][4]
+    assert '"$KUBERAY_GEN_RAY_START_CMD" &' in script and 'ray health-check --address "$RAY_ADDRESS"' in script
+    assert script.rstrip().endswith('exec pagedserve "$@"')
+    assert head["args"][:2] == ["--log-level=INFO", "serve"]
+    assert "ray-address" not in flags(head)  # RAY_ADDRESS, set by KubeRay, points at the head's own Ray
+    for _, tmpl in pod_templates(objects("kuberay-dp2"))[1:]:
+        worker = tmpl["spec"]["containers"][0]
+        assert worker["command"][:2] == ["tini", "--"] and "KUBERAY_GEN_RAY_START_CMD" in worker["command"][-1]
+
+
+def test_servicemonitor_fields_are_the_operators():
+    docs = objects("observability")
+    sm = one(docs, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    check_fields(sm["spec"], SERVICEMONITOR_SPEC, "spec")
+    assert {"selector", "endpoints"} <= set(sm["spec"])  # required by the CRD
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    for ep in sm["spec"]["endpoints"]:
+        check_fields(ep, SM_ENDPOINT, "endpoints[]")
+        assert ep["scheme"] in ("http", "https", "HTTP", "HTTPS")
+        assert re.match(DURATION, ep["interval"]) and re.match(DURATION, ep["scrapeTimeout"])
+    # It selects the Service by its labels, and names a port the Service has.
+    svc = one(docs, "Service")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
+
+
+def test_prometheusrule_fields_are_the_operators_and_equal_alerts_yml():
+    rule = one(objects("observability"), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    check_fields(rule["spec"], {"groups": list}, "spec")
+    for g in rule["spec"]["groups"]:
+        check_fields(g, RULE_GROUP, "groups[]")
+        assert g["name"]
+        for r in g["rules"]:
+            check_fields(r, RULE, f"{g['name']}.rules[]")
+            assert "expr" in r and ("alert" in r) != ("record" in r)
+            assert "for" not in r or re.match(DURATION, r["for"])
+            assert_str_map(r.get("labels", {}), "labels")
+            assert_str_map(r.get("annotations", {}), "annotations")
+    alerts = yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yml").read_text())
+    assert rule["spec"] == alerts
+
+
+def test_alerts_and_dashboard_have_one_source():
+    for name, target in [("alerts.yml", "deploy/prometheus/alerts.yml"),
+                         ("pagedserve-dashboard.json", "deploy/grafana/pagedserve-dashboard.json")]:
+        link = CHART / "files" / name
+        assert link.is_symlink(), f"{link} should link to {target}, not copy it"
+        assert link.resolve() == (REPO / target).resolve()
+
+
+def test_packaged_chart_carries_the_linked_files(tmp_path):
+    """helm package follows the links: the archive holds the files' contents."""
+    with helm.Chart.load(str(CHART)) as chart:
+        archive = chart.save(str(tmp_path))
+    with tarfile.open(archive) as tar:
+        alerts = tar.extractfile("pagedserve/files/alerts.yml").read().decode()
+    assert alerts == (REPO / "deploy" / "prometheus" / "alerts.yml").read_text()
+
+
+def test_grafana_dashboard_configmap_for_the_sidecar():
+    cm = one(objects("observability"), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM serving"}
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "pagedserve-dashboard.json").read_text())
+    assert json.loads(cm["data"]["pagedserve-dashboard.json"]) == dashboard
+
+
+def test_observability_is_off_by_default():
+    kinds = {d["kind"] for d in objects("cpu")}
+    assert not kinds & {"ServiceMonitor", "PrometheusRule", "ConfigMap"}
+
+
+# ---------------------------------------------------------------- helm-unittest-style assertions
+
+def test_single_node_cpu():
+    docs = objects("cpu")
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "PodDisruptionBudget"}
+    tmpl, c = gateway(docs)
+    assert c["image"] == "localhost/pagedserve:ci"
+    assert c["args"][:2] == ["--log-level=INFO", "serve"] and "command" not in c  # the image's tini entrypoint
+    f = flags(c)
+    assert f["device"] == "cpu" and f["tensor-parallel-size"] == "1" and "model" not in f  # the bundled model
+    assert GPU not in c["resources"].get("limits", {}) and "runtimeClassName" not in tmpl["spec"]
+
+
+def test_gpu_count_equals_tensor_parallel_size():
+    tmpl, c = gateway(objects("gpu-tp4"))
+    f = flags(c)
+    assert f["tensor-parallel-size"] == "4" and f["device"] == "cuda"
+    assert c["resources"]["limits"][GPU] == 4
+    assert tmpl["spec"]["runtimeClassName"] == "nvidia"
+    assert tmpl["spec"]["tolerations"][0]["key"] == GPU
+    assert tmpl["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert f["model"] == "/models/Meta-Llama-3-8B-Instruct"
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "llama-3-8b", "readOnly": True}} \
+        in tmpl["spec"]["volumes"]
+
+
+def test_single_node_update_strategy():
+    dep = one(objects_for(merged("gpu-tp4", **{"singleNode.strategy": {"type": "Recreate"}})), "Deployment")
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert "strategy" not in one(objects("cpu"), "Deployment")["spec"]  # Kubernetes' default
+
+
+def test_single_node_data_parallel_takes_tp_times_dp_gpus():
+    docs = objects_for(merged("gpu-tp4", **{"engine.dataParallelSize": 2}))
+    _, c = gateway(docs)
+    assert c["resources"]["limits"][GPU] == 8
+
+
+def test_kuberay_gpus_per_worker_equal_tp_and_replicas_fit():
+    docs = objects("kuberay-dp2")
+    _, head = gateway(docs)
+    f = flags(head)
+    tp, dp = int(f["tensor-parallel-size"]), int(f["data-parallel-size"])
+    assert (tp, dp) == (4, 2) and f["device"] == "cuda"  # explicit: the head has no GPU to detect
+    assert GPU not in head["resources"].get("limits", {})
+    workers = pod_templates(docs)[1:]
+    assert len(workers) == 2
+    slots = 0
+    for role, tmpl in workers:
+        gpus = tmpl["spec"]["containers"][0]["resources"]["limits"][GPU]
+        assert gpus == tp, role
+        group = next(g for g in one(docs, "RayCluster")["spec"]["workerGroupSpecs"] if role.endswith(g["groupName"]))
+        slots += group["replicas"] * (gpus // tp)
+        assert tmpl["spec"]["runtimeClassName"] == "nvidia"
+    assert slots >= dp
+
+
+@pytest.mark.parametrize("value_set", ["cpu", "kuberay-dp2"])
+def test_probes_point_at_the_grpc_port(value_set):
+    _, c = gateway(objects(value_set))
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["grpc"] == int(flags(c)["port"]) == 50051
+    assert ports["metrics"] == int(flags(c)["metrics-port"])
+    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[name]["grpc"] == {"port": ports["grpc"]}, name  # grpc.health.v1, the server's overall health
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # room for loading and warm-up
+
+
+def test_http_api_port_and_probe():
+    _, c = gateway(objects("cpu"))
+    assert flags(c)["http-port"] == "8000" and {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
+    _, c = gateway(objects_for(merged("cpu", **{"probes.handler": "http"})))
+    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[name]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+    docs = objects_for(merged("cpu", **{"server.httpApi.enabled": False}))
+    _, c = gateway(docs)
+    assert "http-port" not in flags(c) and "http" not in {p["name"] for p in c["ports"]}
+    assert "http" not in {p["name"] for p in one(docs, "Service")["spec"]["ports"]}
+
+
+@pytest.mark.parametrize("value_set", ["cpu", "gpu-tp4", "kuberay-dp2"])
+def test_grace_period_exceeds_drain_timeout(value_set):
+    docs = objects(value_set)
+    drain = float(flags(gateway(docs)[1])["drain-timeout"])
+    for role, tmpl in pod_templates(docs):
+        assert tmpl["spec"]["terminationGracePeriodSeconds"] > drain, role
+
+
+def test_pods_are_non_root_with_memory_backed_shm():
+    for role, tmpl in pod_templates(objects("kuberay-dp2")) + pod_templates(objects("cpu")):
+        spec = tmpl["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001, role
+        assert spec["automountServiceAccountToken"] is False
+        c = spec["containers"][0]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in spec["volumes"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        assert {"name": "kernel-cache", "mountPath": "/var/cache/pagedserve/torch_extensions"} in c["volumeMounts"]
+
+
+def test_secured_api_key_and_tls_from_secrets():
+    for names in [("secured",), ("kuberay-dp2", "secured")]:
+        tmpl, c = gateway(objects(*names))
+        env = {e["name"]: e for e in c["env"]}
+        assert env["PAGEDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "pagedserve-api-key",
+                                                                           "key": "api-key"}
+        assert {"name": "tls", "secret": {"secretName": "pagedserve-tls"}} in tmpl["spec"]["volumes"]
+        f = flags(c)
+        assert f["ssl-certfile"] == "/etc/pagedserve/tls/tls.crt" and f["ssl-keyfile"] == "/etc/pagedserve/tls/tls.key"
+        assert "api-key" not in f  # never on the command line
+        # The kubelet's plain gRPC probe cannot speak TLS: the probes run the CLI, verifying against the CA.
+        for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[name]["exec"]["command"] == [
+                "env", "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH=/etc/pagedserve/tls/ca.crt",
+                "pagedserve", "health", "--server=localhost:50051", "--tls"]
+    _, c = gateway(objects_for(merged("secured", **{"tls.probeMode": "grpc"})))
+    assert c["readinessProbe"]["grpc"] == {"port": 50051, "mode": "TLS"}  # Kubernetes >= 1.37
+    validate_k8s(one(objects_for(merged("secured", **{"tls.probeMode": "grpc"})), "Deployment"))
+
+
+@pytest.mark.parametrize("value_set", ["cpu", "kuberay-dp2"])
+def test_service_and_pdb_select_the_right_pods(value_set):
+    docs = objects(value_set)
+    svc, pdb = one(docs, "Service"), one(docs, "PodDisruptionBudget")
+    tmpl, c = gateway(docs)
+    labels = tmpl["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    for role, other in pod_templates(docs)[1:]:  # KubeRay workers serve no API
+        assert not svc["spec"]["selector"].items() <= other["metadata"]["labels"].items(), role
+    container_ports = {p["name"] for p in c["ports"]}
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= container_ports
+    for role, t in pod_templates(docs):
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= t["metadata"]["labels"].items(), role
+    assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_notes_show_port_forward_and_a_client_call():
+    notes = render(merged("secured"))["pagedserve/templates/NOTES.txt"]
+    assert "kubectl port-forward -n llm svc/ps-pagedserve 50051:50051" in notes
+    assert 'pagedserve client --server localhost:50051 --tls --ca-cert ca.crt "def fib(n):"' in notes
+    assert "PAGEDSERVE_API_KEY=$(kubectl get secret -n llm pagedserve-api-key" in notes
+
+
+# ---------------------------------------------------------------- bad values fail `helm template`
+
+BAD_VALUES = {
+    "unknown mode": {"mode": "multiNode"},
+    "unknown device": {"engine": {"device": "tpu"}},
+    "unknown dtype": {"engine": {"dtype": "int3"}},
+    "unknown probe handler": {"probes": {"handler": "tcp"}},
+    "unknown pull policy": {"image": {"pullPolicy": "Sometimes"}},
+    "unknown log level": {"server": {"logLevel": "LOUD"}},
+    "unknown model source": {"model": {"source": "s3"}},
+    "tp of zero": {"engine": {"tensorParallelSize": 0}},
+    "tp as a string": {"engine": {"tensorParallelSize": "4"}},
+    "port out of range": {"server": {"grpcPort": 70000}},
+    "a misspelt key": {"engine": {"tensorParalelSize": 2}},
+    "tls without a secret": {"tls": {"enabled": True}},
+    "pvc without a claim": {"model": {"source": "pvc"}},
+    "relative image model path": {"model": {"source": "image", "path": "models/x"}},
+    "kuberay without worker groups": {"mode": "kuberay", "kuberay": {"workerGroups": []}},
+    "bad worker group name": {"mode": "kuberay", "kuberay": {"workerGroups": [{"name": "GPU_A", "replicas": 1}]}},
+    "unknown update strategy": {"singleNode": {"strategy": {"type": "BlueGreen"}}},
+    "bad scrape interval": {"metrics": {"serviceMonitor": {"enabled": True, "interval": "15 seconds"}}},
+    # Checked by the templates (a schema cannot compare two values):
+    "grace period within the drain": {"terminationGracePeriodSeconds": 30, "engine": {"drainTimeout": 30}},
+    "http probe without the http api": {"probes": {"handler": "http"}, "server": {"httpApi": {"enabled": False}}},
+    "worker pods smaller than tp": {"mode": "kuberay", "gpu": {"enabled": True}, "engine": {"tensorParallelSize": 4},
+                                    "kuberay": {"workerGroups": [{"name": "g", "replicas": 2, "gpusPerPod": 2}]}},
+    "too few gpus for dp": {"mode": "kuberay", "gpu": {"enabled": True},
+                            "engine": {"tensorParallelSize": 2, "dataParallelSize": 3},
+                            "kuberay": {"workerGroups": [{"name": "g", "replicas": 1, "gpusPerPod": 4}]}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_bad_values_are_rejected(case):
+    with pytest.raises(helm.HelmError):
+        render(BAD_VALUES[case])
+
+
+def test_schema_rejections_name_the_field():
+    with pytest.raises(helm.HelmValuesError, match="/engine/device"):
+        render({"engine": {"device": "tpu"}})
+    with pytest.raises(helm.HelmError, match="must exceed engine.drainTimeout"):
+        render({"terminationGracePeriodSeconds": 10})
+
+
+def test_default_values_render():
+    docs = objects_for({})
+    assert one(docs, "Deployment")["spec"]["replicas"] == 1
+    for d in docs:
+        validate_k8s(d)
