@@ -21,6 +21,10 @@ import time
 
 import psutil
 import ray
+from ray._private.authentication.authentication_token_setup import (
+    enable_token_auth_by_default,
+    ensure_token_if_auth_enabled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +60,11 @@ class PrivateRay:
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
                "--include-dashboard=false", "--disable-usage-stats", "--block",
                f"--temp-dir={self.temp_dir}", *ports, *([f"--num-cpus={self.num_cpus}"] if self.num_cpus else [])]
-        # The head authenticates as this driver does (Ray reads RAY_AUTH_MODE once, at import; `ray start` alone
-        # would default to token mode and refuse a driver in the default mode), like the ray.init() it replaces.
-        env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        # Token authentication (unless RAY_AUTH_MODE=disabled), set up as ray.init() does for a local instance: token
+        # mode for this process (and so for the head, which inherits the environment) and a token on disk.
+        enable_token_auth_by_default()
+        ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=_die_with_parent)
         address = f"127.0.0.1:{port}"

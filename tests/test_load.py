@@ -1,0 +1,126 @@
+"""Load on the real gRPC gateway: rounds of 1200 concurrent streams with client cancels and deadlines mixed in.
+Every stream nobody cancelled completes with exactly its tokens (no spurious CANCELLED from gRPC core's own queue
+limits); cancelled and deadlined ones free their blocks; nothing grows across rounds. Past --max-concurrent-requests a
+request gets RESOURCE_EXHAUSTED at once."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import psutil
+import pytest
+import ray
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.cluster.client import AsyncClient
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.tests.server_thread import ServerThread
+
+STREAMS = 1200
+PROMPTS = [f"def load_{i}(x):" for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir) -> dict[tuple[str, int], list[int]]:
+    llm = LLM(llama_dir, seed=0)
+    out = {}
+    for n in (4, 8):
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        out.update({(p, n): o.outputs[0].token_ids for p, o in zip(PROMPTS, outs)})
+    return out
+
+
+async def _one(client: AsyncClient, prompt: str, n: int, mode: str, rng: random.Random):
+    """(status, tokens) of one stream; mode: "plain", "cancel" (after a random number of responses) or
+    "deadline" (a short timeout)."""
+    timeout = rng.uniform(0.02, 0.5) if mode == "deadline" else 300
+    call = client.stream(prompt, max_tokens=n, temperature=0.0, ignore_eos=True, timeout=timeout)
+    stop_after = rng.randint(0, 3) if mode == "cancel" else None
+    tokens: list[int] = []
+    try:
+        async for resp in call:
+            tokens += [t for c in resp.completions for t in c.token_ids]
+            if stop_after is not None and len(tokens) >= stop_after:
+                call.cancel()
+                return "cancelled", tokens
+    except grpc.aio.AioRpcError as e:
+        return e.code().name, tokens
+    except asyncio.CancelledError:
+        return "cancelled", tokens
+    return "OK", tokens
+
+
+async def _run_plan(target: str, plan: list[tuple[str, int, str]], rng: random.Random) -> list:
+    async with AsyncClient(target) as client:
+        return await asyncio.gather(*[_one(client, p, n, m, rng) for p, n, m in plan])
+
+
+def _wait_idle(srv: ServerThread, timeout: float = 30.0):
+    """Aborts land asynchronously: wait until the engine holds no request and no block."""
+    deadline = time.monotonic() + timeout
+    with srv.client(timeout=10) as c:
+        while True:
+            info = c.model_info()
+            if (info.num_running_requests == 0 and info.num_waiting_requests == 0
+                    and info.num_free_kv_blocks == info.num_kv_blocks):
+                return info
+            assert time.monotonic() < deadline, f"still busy after {timeout} s: {info}"
+            time.sleep(0.2)
+
+
+def test_rounds_of_1200_streams_with_cancels_and_deadlines(ray_cluster, llama_dir, expected):
+    srv = ServerThread(EngineArgs(model=llama_dir, seed=0)).start()
+    try:
+        actor_proc = psutil.Process(ray.get(srv.replicas[0].actor.pid.remote()))
+        router = srv.gateway.state.engine
+        rss = []
+        for round_ in range(3):
+            rng = random.Random(round_)
+            plan = [(rng.choice(PROMPTS), rng.choice((4, 8)),
+                     rng.choices(("plain", "cancel", "deadline"), (7, 2, 1))[0]) for _ in range(STREAMS)]
+
+            results = asyncio.run(_run_plan(srv.target, plan, rng))
+            for (prompt, n, mode), (status, tokens) in zip(plan, results):
+                want = expected[(prompt, n)]
+                if mode == "plain":
+                    assert status == "OK" and tokens == want, (round_, status, len(tokens))
+                elif mode == "deadline":
+                    assert status in ("OK", "DEADLINE_EXCEEDED") and tokens == want[:len(tokens)], status
+                else:
+                    assert status in ("OK", "cancelled") and tokens == want[:len(tokens)], status
+            assert sum(s == "OK" for s, _ in results) >= 0.7 * STREAMS
+            _wait_idle(srv)
+            assert not router._inflight and not router.processor.states  # nothing kept per request
+            rss.append(psutil.Process().memory_info().rss + actor_proc.memory_info().rss)
+        assert rss[2] - rss[1] < 64 << 20, f"memory grew from {rss[1] >> 20} to {rss[2] >> 20} MiB"
+        with srv.client(timeout=10) as c:
+            assert c.health() == "SERVING"
+    finally:
+        srv.stop()
+
+
+def test_over_the_concurrency_limit_is_resource_exhausted_at_once(ray_cluster, llama_dir, expected):
+    srv = ServerThread(EngineArgs(model=llama_dir, seed=0), max_concurrent_requests=50).start()
+    try:
+        async def run():
+            async with AsyncClient(srv.target) as client:
+                rng = random.Random(7)
+                return await asyncio.gather(*[_one(client, PROMPTS[i % len(PROMPTS)], 8, "plain", rng)
+                                              for i in range(300)])
+
+        t0 = time.monotonic()
+        results = asyncio.run(run())
+        codes = [s for s, _ in results]
+        assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}, set(codes)
+        assert 50 <= codes.count("OK") < 300
+        for i, (status, tokens) in enumerate(results):
+            if status == "OK":
+                assert tokens == expected[(PROMPTS[i % len(PROMPTS)], 8)]
+            else:
+                assert tokens == []
+        assert time.monotonic() - t0 < 60
+        _wait_idle(srv)
+    finally:
+        srv.stop()

@@ -1,0 +1,73 @@
+"""`pagedserve serve` as a real process with its own private Ray, stopped by a real signal: SIGTERM to the process
+alone, SIGTERM to its whole process group (a supervisor, `kill -TERM -PGID`), and Ctrl-C (SIGINT to the group). In
+each case health turns NOT_SERVING, a new request gets UNAVAILABLE, the running stream finishes with all its tokens,
+the server exits 0 within the drain timeout, and not one of its processes (Ray's included) is left."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+
+from pagedserve.cluster.client import Client
+from pagedserve.tests.server_thread import free_port
+
+DRAIN_TIMEOUT = 60
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+@pytest.mark.parametrize("target, sig", [("process", signal.SIGTERM), ("group", signal.SIGTERM),
+                                         ("group", signal.SIGINT)])
+def test_signal_drains_and_leaves_nothing(llama_dir, target, sig):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray, as a plain `serve` has
+    # Its own session and process group, as a terminal or a supervisor gives a service; the test is not in it.
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--model", llama_dir, "--host", "127.0.0.1",
+                             "--port", str(port), "--metrics-port", "0", "--drain-timeout", str(DRAIN_TIMEOUT)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    target_addr = f"127.0.0.1:{port}"
+    descendants: list[psutil.Process] = []
+    try:
+        with Client(target_addr, timeout=5) as c:
+            c.wait_for_health("SERVING", 180, check=lambda: _alive(proc))
+            descendants = _descendants(proc.pid)
+            assert any("ray" in " ".join(p.cmdline()) for p in descendants), "no private Ray under the server"
+            stream = c.stream("class", max_tokens=150, temperature=0.0, ignore_eos=True)
+            tokens = [len(next(stream).completions[0].token_ids)]
+            rest = threading.Thread(target=lambda: tokens.extend(len(r.completions[0].token_ids) for r in stream))
+            rest.start()
+            sent = time.monotonic()
+            if target == "group":
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+            c.wait_for_health("NOT_SERVING", 10, check=lambda: _alive(proc))
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate("def", max_tokens=2)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            rest.join(DRAIN_TIMEOUT)
+        assert sum(tokens) == 150  # the running stream finished during the drain
+        assert proc.wait(DRAIN_TIMEOUT) == 0, proc.stderr.read()[-3000:]
+        assert time.monotonic() - sent < DRAIN_TIMEOUT
+        _, alive = psutil.wait_procs(descendants, timeout=15)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in descendants:
+            if p.is_running():
+                p.kill()
+
+
+def _alive(proc: subprocess.Popen) -> None:
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
