@@ -68,6 +68,7 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.num_requests = 0
         self.num_worker_restarts = 0
+        self.dead = False  # set when the workers are gone and could not be rebuilt
         freeze_gc_heap()
 
     def get_info(self) -> EngineInfo:
@@ -173,9 +174,13 @@ class EngineCore:
             self.on_health(False, f"rebuilding the model workers after: {error}")
         outputs = self.scheduler.requeue_all(MAX_RESUMES)
         self.executor.shutdown()
-        self.executor = self._executor_factory(self.config)
-        cc = self.config.cache_config
-        self.executor.init_kv_cache(cc.num_blocks, cc.num_cpu_blocks)
+        try:
+            self.executor = self._executor_factory(self.config)
+            cc = self.config.cache_config
+            self.executor.init_kv_cache(cc.num_blocks, cc.num_cpu_blocks)
+        except Exception as e:
+            self.dead = True  # no workers to step on: the host of this core must restart it
+            raise RuntimeError(f"could not rebuild the model workers: {e}") from e
         self.num_worker_restarts += 1
         if self.on_health is not None:
             self.on_health(True, "")

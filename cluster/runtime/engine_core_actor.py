@@ -106,6 +106,9 @@ class EngineCoreActor:
             outputs = self.core.step()
             self.metrics.on_step(outputs, self.core.last_step)
         except Exception as e:  # a bug, not a worker death (the core recovers from those)
+            if self.core.dead:  # its workers are gone for good: Ray restarts this actor, the gateway resumes
+                logger.exception("the engine cannot go on; ending this actor for Ray to restart it")
+                os._exit(71)
             logger.exception("engine step failed; failing the running requests")
             outputs = self.core.scheduler.fail_all(f"engine step failed: {e}")
         finally:
