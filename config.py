@@ -35,6 +35,7 @@ class ModelConfig:
     max_model_len: int
     weight_files: list[str]
     eos_token_ids: list[int]
+    tokenizer: str  # its directory (the model's unless given)
 
     @property
     def architecture(self) -> str:
@@ -45,7 +46,8 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
     @classmethod
-    def from_dir(cls, model: str, dtype: str, max_model_len: int | None, device: torch.device) -> ModelConfig:
+    def from_dir(cls, model: str, dtype: str, max_model_len: int | None, device: torch.device,
+                 tokenizer: str | None = None) -> ModelConfig:
         if not os.path.isdir(model):
             raise ValueError(f"model directory {model!r} does not exist")
         if not os.path.isfile(os.path.join(model, "config.json")):
@@ -66,7 +68,7 @@ class ModelConfig:
         except (OSError, ValueError):
             pass
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        return cls(model, hf_config, torch_dtype, max_model_len, files, eos_ids)
+        return cls(model, hf_config, torch_dtype, max_model_len, files, eos_ids, tokenizer or model)
 
 
 def _resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
@@ -138,6 +140,19 @@ def check_tensor_parallel(hf_config, tp: int) -> None:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """n-gram (prompt lookup) speculative decoding, as vLLM's ``speculative_config`` with method "ngram": propose up
+    to ``num_speculative_tokens`` tokens that followed the longest earlier match (``prompt_lookup_min`` to
+    ``prompt_lookup_max`` tokens) of the sequence's suffix; draft only while at most ``max_batch_size`` sequences
+    decode (a full batch already keeps the hardware busy)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    max_batch_size: int
+
+
+@dataclass(frozen=True)
 class RequestLimits:
     """What one request may ask for; the input processor refuses more before anything is allocated for it."""
 
@@ -156,4 +171,5 @@ class EngineConfig:
     seed: int
     attention_backend: str
     request_limits: RequestLimits
+    speculative_config: SpeculativeConfig | None = None
 

@@ -9,6 +9,31 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a completion, as vLLM's ``StructuredOutputsParams``: exactly one of a JSON schema (``json``, a dict
+    or its JSON text), any JSON object (``json_object``), a regular expression, a list of choices, or a Lark/EBNF
+    ``grammar``. The completion ends with finish reason "stop" once the constraint is complete."""
+
+    json: str | dict | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice or grammar, "
+                             f"got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     best_of: int | None = None
@@ -30,6 +55,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: eos ids from generation_config.json, unless ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

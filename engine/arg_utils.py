@@ -3,6 +3,7 @@ generated from them, and their resolution into an ``EngineConfig``."""
 from __future__ import annotations
 
 import argparse
+import json
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 
@@ -15,6 +16,7 @@ from pagedserve.config import (
     ParallelConfig,
     RequestLimits,
     SchedulerConfig,
+    SpeculativeConfig,
     check_tensor_parallel,
     default_model_dir,
 )
@@ -63,6 +65,9 @@ class EngineArgs:
     max_logprobs: int = _arg(20, "most logprobs / prompt_logprobs a request may ask for")
     max_prompt_bytes: int | None = _arg(None, f"largest text prompt in UTF-8 bytes (default: {PROMPT_BYTES_PER_TOKEN} "
                                               "x max_model_len)")
+    speculative_config: dict | None = _arg(  # noqa: RUF009 (_arg returns a dataclasses.field, not a shared dict)
+        None, 'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 8}')
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -80,6 +85,8 @@ class EngineArgs:
             kw = {"default": f.default if f.default is not MISSING else None, "help": f.metadata["help"]}
             if kind is bool:
                 group.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+            elif kind is dict:
+                group.add_argument(*names, type=json.loads, metavar="JSON", **kw)
             else:
                 group.add_argument(*names, type=kind, choices=f.metadata.get("choices"), **kw)
 
@@ -110,7 +117,7 @@ class EngineArgs:
         elif executor == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend 'uni' runs tensor_parallel_size=1 only")
         model_config = ModelConfig.from_dir(self.model or default_model_dir(), self.dtype, self.max_model_len,
-                                            torch.device(device))
+                                            torch.device(device), self.tokenizer)
         check_architecture(model_config.hf_config)
         check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
         max_len = model_config.max_model_len
@@ -137,4 +144,35 @@ class EngineArgs:
             parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.ray_address),
             device=device, seed=self.seed, attention_backend=backend,
             request_limits=RequestLimits(self.max_num_seqs, self.max_logprobs,
-                                         self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_len))
+                                         self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_len),
+            speculative_config=speculative_config(self.speculative_config))
+
+
+# Above this many decoding sequences a step is already wide enough that verifying drafts costs more than it saves
+# (benchmarks/speculative.py measures where).
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
+
+
+def speculative_config(spec: dict | None) -> SpeculativeConfig | None:
+    """vLLM's ``speculative_config`` dict, checked; only method "ngram" (prompt lookup) is built in."""
+    if not spec:
+        return None
+    spec = dict(spec)
+    method = spec.pop("method", "ngram")
+    if method != "ngram":
+        raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup), got {method!r}")
+    known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+    k = spec.get("num_speculative_tokens")
+    lo = spec.get("prompt_lookup_min", 1)
+    hi = spec.get("prompt_lookup_max", max(lo, 4))
+    batch = spec.get("disable_by_batch_size", DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE)
+    for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi),
+                    ("disable_by_batch_size", batch)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}")
+    if lo > hi:
+        raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
+    return SpeculativeConfig(k, lo, hi, batch)

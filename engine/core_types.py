@@ -1,7 +1,7 @@
 """Plain data between the engine core and its users: the request it queues, what it reports about itself."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.config import RequestLimits
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
@@ -81,3 +81,9 @@ class EngineStats:
     scheduled_tokens: int
     steps: int
     num_worker_restarts: int
+    # Speculative decoding (vLLM's meanings) and structured output.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    num_constrained_requests: int = 0

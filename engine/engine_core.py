@@ -13,11 +13,13 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.executor import Executor, create_executor
 from pagedserve.engine.gc_heap import freeze_gc_heap
+from pagedserve.engine.tokenizer import guidance_tokenizer, load_tokenizer
 from pagedserve.errors import InvalidRequestError, WorkerFailedError
 from pagedserve.outputs import EngineCoreOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.request import Request, Sequence, child_seed
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,10 @@ class EngineCore:
         self.executor.init_kv_cache(cc.num_blocks, cc.num_cpu_blocks)
         logger.info("KV cache: %d blocks = %d tokens (+ %d CPU swap blocks)", num_blocks, num_blocks * cc.block_size,
                     cc.num_cpu_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, cc)
+        mc = config.model_config
+        structured = StructuredOutputManager(
+            lambda: guidance_tokenizer(load_tokenizer(mc.tokenizer), mc.vocab_size, mc.eos_token_ids), mc.vocab_size)
+        self.scheduler = Scheduler(config.scheduler_config, cc, config.speculative_config, structured)
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self.last_step: StepStats | None = None
@@ -131,7 +136,10 @@ class EngineCore:
             preemptions_recompute=st.num_preemptions["recompute"], preemptions_swap=st.num_preemptions["swap"],
             swapped_in_blocks=st.num_swapped_in_blocks, swapped_out_blocks=st.num_swapped_out_blocks,
             scheduled_tokens=st.num_scheduled_tokens, steps=st.num_steps,
-            num_worker_restarts=self.num_worker_restarts)
+            num_worker_restarts=self.num_worker_restarts,
+            spec_num_drafts=st.spec_num_drafts, spec_num_draft_tokens=st.spec_num_draft_tokens,
+            spec_num_accepted_tokens=st.spec_num_accepted_tokens, spec_accepted_per_pos=list(st.spec_accepted_per_pos),
+            num_constrained_requests=sched.structured.num_constrained_requests)
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.block_manager.reset_prefix_cache()
@@ -188,3 +196,4 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.scheduler.structured.shutdown()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo
+from pagedserve.engine.tokenizer import guidance_tokenizer
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.scheduler.structured_output import grammar_error
 
 # Text, token ids, or a dict with "prompt" or "prompt_token_ids" (and optionally "cache_salt"), as in vLLM.
 PromptType = str | list[int] | dict
@@ -20,6 +22,7 @@ class InputProcessor:
     def __init__(self, tokenizer, info: EngineInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        self._guidance = None  # llguidance's tokenizer, built on the first constrained request
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         """(text, token ids, cache salt) of a prompt given as text, token ids or a dict with either."""
@@ -63,6 +66,8 @@ class InputProcessor:
             self._check(ids, step, params.beam_width)
             return text, EngineCoreRequest(request_id, ids, step, params, cache_salt or salt)
         params = self._prepare(params)
+        if params.structured_outputs is not None:
+            self._check_structured(params)
         if params.best_of > max_seqs:
             name = "best_of" if params.best_of > params.n else "n"
             raise InvalidRequestError(f"{name} must be at most {max_seqs} (max_num_seqs), got {params.best_of}")
@@ -75,6 +80,17 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
         return text, EngineCoreRequest(request_id, ids, params, None, cache_salt or salt)
+
+    def _check_structured(self, params: SamplingParams) -> None:
+        """Compile-check the constraint here, before anything is allocated: a bad schema or regex is refused with
+        what is wrong with it."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured output needs a tokenizer; this engine runs with skip_tokenizer_init")
+        if self._guidance is None:
+            self._guidance = guidance_tokenizer(self.tokenizer, self.info.vocab_size, list(self.info.eos_token_ids))
+        error = grammar_error(params.structured_outputs, self._guidance)
+        if error is not None:
+            raise InvalidRequestError(error)
 
     def _prepare(self, params: SamplingParams | None) -> SamplingParams:
         """A checked copy with the model's EOS ids as stop tokens (unless ignore_eos)."""

@@ -10,7 +10,9 @@ OPTIONAL_SAMPLING_FIELDS = ["n", "best_of", "temperature", "top_p", "top_k", "mi
                             "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens"]
 REPEATED_SAMPLING_FIELDS = ["stop", "stop_token_ids"]
 PLAIN_SAMPLING_FIELDS = ["include_stop_str_in_output", "ignore_eos", "min_tokens"]
-SAMPLING_FIELDS = OPTIONAL_SAMPLING_FIELDS + REPEATED_SAMPLING_FIELDS + PLAIN_SAMPLING_FIELDS
+MESSAGE_SAMPLING_FIELDS = ["structured_outputs"]
+SAMPLING_FIELDS = OPTIONAL_SAMPLING_FIELDS + REPEATED_SAMPLING_FIELDS + PLAIN_SAMPLING_FIELDS + MESSAGE_SAMPLING_FIELDS
+STRUCTURED_OUTPUT_KINDS = ["json", "json_object", "regex", "choice", "grammar"]
 
 FINISH_REASONS = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
                   "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}

@@ -148,7 +148,7 @@ class BlockManager:
         grow = 0
         writers: Counter[int] = Counter()
         for s in seqs:
-            n = min(num_new_tokens, s.num_tokens - s.num_computed_tokens)
+            n = min(num_new_tokens, s.num_pending_tokens)
             grow += max(0, -(-(s.num_computed_tokens + n) // self.block_size) - len(s.block_table))
             writers.update(s.block_table[i] for i in self._cow_targets(s, n))
         return grow + sum(min(w, self.pool.ref_cnt[b] - 1) for b, w in writers.items())
@@ -194,6 +194,14 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         self.pool.incref(child.block_table)
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the tail blocks past the sequence's computed tokens (the KV of drafts it did not accept)."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        tail = seq.block_table[keep:]
+        if tail:
+            self.pool.decref(tail[::-1])
+            del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, in whichever pool they are."""
         if seq.seq_id in self._swapped:
@@ -232,7 +240,7 @@ class BlockManager:
         bs = self.block_size
         grow, writers = 0, Counter()
         for s in seqs:
-            n = min(num_new_tokens, s.num_tokens - s.num_computed_tokens)
+            n = min(num_new_tokens, s.num_pending_tokens)
             grow += max(0, -(-(s.num_computed_tokens + n) // bs) - len(s.block_table))
             i = s.num_computed_tokens // bs
             if n > 0 and i < len(s.block_table):

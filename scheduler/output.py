@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -45,6 +47,14 @@ class SchedulerOutput:
     # A best_of request's first sample: seq_id -> the seeds of the best_of - 1 completions that fork from it.
     # Each gets an extra sampling row from the same logits; the scheduler forks them when the results come back.
     fork_seeds: dict[int, list[int]] = field(default_factory=dict)
+    # Speculative decoding: seq_id -> draft tokens, run after the sequence's last token this step (they are in
+    # num_scheduled_tokens). The sequence gets one sampling row per position: after its last token, then after
+    # each draft; the scheduler keeps the drafts that equal the rows' samples, and the first sample after them.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Structured output: one int32 bitmask row (bit t: token t allowed) per constrained sampling row, and each
+    # constrained sequence's first row (its forks share row 0; row j of a drafting sequence follows j drafts).
+    grammar_bitmask: np.ndarray | None = None
+    grammar_rows: dict[int, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -54,7 +64,7 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     """Results for the sequences that sampled this step, in ``seq_ids`` order. A sequence in ``fork_seeds``
-    appears once more per forked completion, right after its own row."""
+    appears once more per forked completion, right after its own row; one in ``spec_token_ids`` once per draft."""
 
     seq_ids: list[int]
     sampled_token_ids: list[int]

@@ -61,6 +61,7 @@ class Sequence:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of its full, computed blocks
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens, scheduled after the last
 
     def fork(self, seq_id: int, index: int, seed: int) -> Sequence:
         """A child with the same tokens and progress; the block manager shares the blocks."""
@@ -71,6 +72,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to run through the model: the uncomputed ones and this step's drafts."""
+        return len(self.token_ids) + len(self.spec_token_ids) - self.num_computed_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -14,12 +14,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.outputs import EngineCoreOutput
 from pagedserve.scheduler.beam import BeamSearcher
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.output import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
 from pagedserve.scheduler.request import FINISH_REASONS, Request, RequestStatus, Sequence, child_seed
+from pagedserve.scheduler.spec_decode import propose_ngram
+from pagedserve.scheduler.structured_output import StructuredOutputManager
 
 
 @dataclass
@@ -34,13 +36,23 @@ class SchedulerStats:
     # KV waste: allocated-but-unfilled slots / allocated slots, summed over steps (for the mean).
     waste_sum: float = 0.0
     peak_blocks_used: int = 0
+    # Speculative decoding, with vLLM's meanings: sequences that got drafts, draft tokens scheduled, drafts
+    # accepted, and accepted drafts by position (index 0: the first draft of a step).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class Scheduler:
     """``cache_config`` comes with ``num_blocks`` and ``num_cpu_blocks`` resolved from the workers' memory."""
 
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
+                 spec_config: SpeculativeConfig | None = None,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.config = config
+        self.spec_config = spec_config
+        self.structured = structured
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching, cache_config.num_cpu_blocks,
@@ -54,12 +66,19 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self.beam = BeamSearcher(self)
         self.stats = SchedulerStats()
+        self._constrained_rows: list[tuple[int, list[int]]] = []  # this step's (seq id, drafts) under a grammar
+        self._errored: list[tuple[Request, str]] = []  # ended in schedule(), reported by the next update
 
     def next_seq_id(self) -> int:
         return next(self._seq_ids)
 
     # ---- request lifecycle -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        so = request.sampling_params.structured_outputs
+        if so is not None:
+            if self.structured is None:
+                raise ValueError("structured output needs the engine's tokenizer")
+            self.structured.add(request.request_id, so)
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self.seqs[seq.seq_id] = (request, seq)
@@ -120,6 +139,8 @@ class Scheduler:
 
     def _release(self, seq: Sequence, status: RequestStatus) -> None:
         self.block_manager.free(seq)
+        if self.structured is not None:
+            self.structured.free(seq.seq_id)
         seq.status = status
         self._finished_seq_ids.add(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
@@ -136,6 +157,8 @@ class Scheduler:
         req.seqs.remove(seq)
 
     def _finish_request(self, req: Request, status: RequestStatus) -> None:
+        if self.structured is not None:
+            self.structured.abandon(req.request_id)
         for seq in req.live_seqs:
             self._release(seq, status)
         for queue in (self.waiting, self.running, self.swapped):
@@ -151,6 +174,7 @@ class Scheduler:
     # ---- preemption --------------------------------------------------------------------------
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        _drop_drafts(req)
         mode = self.config.preemption_mode
         if mode is None:
             mode = "swap" if len(req.live_seqs) > 1 else "recompute"  # nothing is shared before the fork
@@ -199,12 +223,18 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preempted = False
+        spec = self.spec_config
+        if spec is not None and sum(len(r.live_seqs) for r in self.running) > spec.max_batch_size:
+            spec = None  # a batch this wide keeps the hardware busy: drafts would cost more than they save
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if spec is not None:
+                self._propose(req, spec, budget)
             n = self._admit_tokens(req, budget)
             if n <= 0:
+                _drop_drafts(req)
                 break
             if not self._allocate(req, n, out):
                 preempted = True
@@ -228,13 +258,25 @@ class Scheduler:
                 bisect.insort(self.running, req, key=lambda r: r.arrival_index)
                 budget -= self._schedule_request(out, req, n)
 
-        while (self.waiting and budget > 0 and not preempted and not self.swapped
+        j = 0  # FCFS, except that a request whose grammar is still compiling lets the ones behind it go first
+        while (j < len(self.waiting) and budget > 0 and not preempted and not self.swapped
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[j]
+            if self.structured is not None and not self.structured.ready(req.request_id):
+                j += 1
+                continue
+            error = self.structured.error(req.request_id) if self.structured is not None else None
+            if error is not None:
+                self._finish_request(req, RequestStatus.FINISHED_ERROR)
+                self._errored.append((req, error))
+                continue
             if not self._admit(req, budget, out):
                 break
             budget -= self._schedule_request(out, req, self._admit_tokens(req, budget))
 
+        if self._constrained_rows:
+            out.grammar_bitmask, out.grammar_rows = self.structured.bitmask(self._constrained_rows)
+            self._constrained_rows = []
         out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, set()
         self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
         self._record_stats()
@@ -247,19 +289,35 @@ class Scheduler:
             return False
         for s in seqs:
             first_copy = len(out.blocks_to_copy)
-            bm.allocate_slots(s, min(n, s.num_tokens - s.num_computed_tokens), out.blocks_to_copy)
+            bm.allocate_slots(s, min(n, s.num_pending_tokens), out.blocks_to_copy)
             for _, dst in out.blocks_to_copy[first_copy:]:  # the workers must get the new table from there on
                 s.num_sent_blocks = min(s.num_sent_blocks, s.block_table.index(dst))
         return True
+
+    def _propose(self, req: Request, spec: SpeculativeConfig, budget: int) -> None:
+        """n-gram drafts for a request's decoding sequences, within the budget and the request's limits."""
+        seqs = req.live_seqs
+        if req.beam_params is not None:
+            return
+        sp = req.sampling_params
+        room = budget // len(seqs) - 1
+        for s in seqs:
+            if s.num_tokens - s.num_computed_tokens != 1:  # prefilling (or recomputing): no drafts
+                continue
+            k = min(spec.num_speculative_tokens, room, self.config.max_model_len - s.num_tokens - 1)
+            if sp.max_tokens is not None:
+                k = min(k, sp.max_tokens - s.num_output_tokens - 1)
+            if k > 0:
+                s.spec_token_ids = propose_ngram(s.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
     @staticmethod
     def _admit_tokens(req: Request, budget: int) -> int:
         """Tokens per sequence this step: a prefill chunk can be long; a request's sequences go together."""
         seqs = req.live_seqs
-        return min(max(s.num_tokens - s.num_computed_tokens for s in seqs), budget // len(seqs))
+        return min(max(s.num_pending_tokens for s in seqs), budget // len(seqs))
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> bool:
-        """Move the head of the waiting queue to running if its first chunk fits; reuse cached blocks."""
+        """Move a waiting request to running if its first chunk fits; reuse cached blocks."""
         bm = self.block_manager
         seqs = req.live_seqs
         if req.sampling_params.prompt_logprobs is None:  # cached tokens would get no prompt logprobs
@@ -273,7 +331,10 @@ class Scheduler:
                 bm.free(s)
                 s.num_computed_tokens = 0
             return False
-        self.waiting.popleft()
+        self.waiting.remove(req)
+        if self.structured is not None and req.sampling_params.structured_outputs is not None \
+                and not self.structured.constrained(seqs[0].seq_id):
+            self.structured.start(req.request_id, [(s.seq_id, s.token_ids[s.prompt_len:]) for s in seqs])
         cached = sum(s.num_computed_tokens for s in seqs)
         self.stats.prefix_cache_queries += sum(s.num_tokens for s in seqs)
         self.stats.prefix_cache_hits += cached
@@ -288,8 +349,7 @@ class Scheduler:
         return True
 
     def _schedule_request(self, out: SchedulerOutput, req: Request, n: int) -> int:
-        return sum(self._schedule_seq(out, req, s, min(n, s.num_tokens - s.num_computed_tokens))
-                   for s in req.live_seqs)
+        return sum(self._schedule_seq(out, req, s, min(n, s.num_pending_tokens)) for s in req.live_seqs)
 
     def _schedule_seq(self, out: SchedulerOutput, req: Request, seq: Sequence, n: int) -> int:
         if seq.num_sent_tokens == 0:
@@ -304,9 +364,16 @@ class Scheduler:
                 seq_id=seq.seq_id, new_token_ids=seq.token_ids[seq.num_sent_tokens:],
                 new_block_ids=seq.block_table[seq.num_sent_blocks:],
                 num_computed_tokens=seq.num_computed_tokens, num_kept_blocks=seq.num_sent_blocks))
+        if seq.spec_token_ids:
+            out.spec_token_ids[seq.seq_id] = list(seq.spec_token_ids)
+            self.stats.spec_num_drafts += 1
+            self.stats.spec_num_draft_tokens += len(seq.spec_token_ids)
         seq.num_sent_tokens = seq.num_tokens
         seq.num_sent_blocks = len(seq.block_table)
         seq.num_computed_tokens += n
+        if (self.structured is not None and self.structured.constrained(seq.seq_id)
+                and seq.num_computed_tokens == seq.num_tokens + len(seq.spec_token_ids)):  # it samples this step
+            self._constrained_rows.append((seq.seq_id, seq.spec_token_ids))
         best_of = req.sampling_params.best_of
         if best_of > 1 and len(req.seqs) == 1 and seq.num_computed_tokens == seq.num_tokens == seq.prompt_len:
             # The prompt's first sample: the other best_of - 1 completions fork from it, sharing its blocks.
@@ -332,7 +399,7 @@ class Scheduler:
         """Apply a step's results; one output per request that got tokens, prompt logprobs or finished."""
         bm = self.block_manager
         for seq_id in sched.num_scheduled_tokens:
-            if seq_id in self.seqs:
+            if seq_id in self.seqs and seq_id not in sched.spec_token_ids:  # those after acceptance, below
                 req, seq = self.seqs[seq_id]
                 bm.cache_full_blocks(seq, req.cache_salt)
         touched: dict[str, tuple[Request, EngineCoreOutput]] = {}
@@ -371,13 +438,45 @@ class Scheduler:
                 child = seq.fork(self.next_seq_id(), req.next_seq_index, seed)
                 req.next_seq_index += 1
                 bm.fork(seq, child)
+                if self.structured is not None:
+                    self.structured.fork(seq.seq_id, child.seq_id)
                 self.add_seq(req, child)
                 targets.append(child)
-            for target, k in zip(targets, rows):
-                self._append(req, target, result, k, out)
+            drafts = sched.spec_token_ids.get(seq_id)
+            if drafts is None:
+                for target, k in zip(targets, rows):
+                    self._append(req, target, result, k, out)
+                continue
+            for k in self._accept(req, seq, drafts, rows, result):
+                self._append(req, seq, result, k, out)
+                if seq.finished:  # a stop token among the accepted drafts: the rest is dropped
+                    break
         for req in self.beam.step_done():
             output_of(req)
-        return [self._core_output(req, out) for req, out in touched.values()]
+        errored, self._errored = self._errored, []
+        return ([self._core_output(req, out) for req, out in touched.values()]
+                + [self._core_output(req, EngineCoreOutput(req.request_id), error) for req, error in errored])
+
+    def _accept(self, req: Request, seq: Sequence, drafts: list[int], rows: list[int],
+                result: ModelRunnerOutput) -> list[int]:
+        """The rows whose samples the sequence keeps: the drafts its own samples confirm, then the first sample
+        after them. A deterministic draft kept exactly when the row's own sample equals it is rejection sampling
+        with draft probability 1: greedy and seeded outputs are the ones plain decoding gives. The KV of the rest
+        is dropped, and its blocks released."""
+        accepted = 0
+        while accepted < len(drafts) and result.sampled_token_ids[rows[accepted]] == drafts[accepted]:
+            accepted += 1
+        st = self.stats
+        st.spec_num_accepted_tokens += accepted
+        st.spec_accepted_per_pos.extend([0] * (len(drafts) - len(st.spec_accepted_per_pos)))
+        for pos in range(accepted):
+            st.spec_accepted_per_pos[pos] += 1
+        seq.num_computed_tokens -= len(drafts) - accepted
+        seq.spec_token_ids = []
+        self.block_manager.trim(seq)
+        seq.num_sent_blocks = min(seq.num_sent_blocks, len(seq.block_table))
+        self.block_manager.cache_full_blocks(seq, req.cache_salt)
+        return rows[: accepted + 1]
 
     @staticmethod
     def _core_output(req: Request, out: EngineCoreOutput, error: str | None = None) -> EngineCoreOutput:
@@ -406,6 +505,9 @@ class Scheduler:
                 top = result.top_logprobs.get(k, ([], [], 0))
                 out.new_logprobs.setdefault(seq.index, []).append((lp, top[0], top[1], top[2]))
         status = self.check_stop(req, seq, token, self.config.max_model_len)
+        if self.structured is not None and self.structured.constrained(seq.seq_id) \
+                and self.structured.accept(seq.seq_id, token) and status is None:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
         if status is not None:
             self.finish_seq(req, seq, status)
 
@@ -430,3 +532,9 @@ def _reset_for_recompute(seq: Sequence) -> None:
     seq.block_hashes = []
     seq.status = RequestStatus.WAITING
     seq.num_sent_tokens = 0
+    seq.spec_token_ids = []
+
+
+def _drop_drafts(req: Request) -> None:
+    for seq in req.seqs:
+        seq.spec_token_ids = []

@@ -1,10 +1,17 @@
 """Building ``GenerateRequest`` messages from Python values, and folding the streamed responses into results."""
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 
-from pagedserve.proto.fields import EARLY_STOPPING, FINISH_NAMES, REPEATED_SAMPLING_FIELDS, SAMPLING_FIELDS
+from pagedserve.proto.fields import (
+    EARLY_STOPPING,
+    FINISH_NAMES,
+    REPEATED_SAMPLING_FIELDS,
+    SAMPLING_FIELDS,
+    STRUCTURED_OUTPUT_KINDS,
+)
 from pagedserve.proto.v1 import generation_pb2 as pb
 
 
@@ -16,11 +23,26 @@ def sampling_params_to_proto(**kwargs) -> pb.SamplingParams:
     for name, value in kwargs.items():
         if value is None:
             continue
-        if name in REPEATED_SAMPLING_FIELDS:
+        if name == "structured_outputs":
+            msg.structured_outputs.CopyFrom(structured_outputs_to_proto(**value))
+        elif name in REPEATED_SAMPLING_FIELDS:
             getattr(msg, name).extend([value] if isinstance(value, str) else value)
         else:
             setattr(msg, name, value)
     return msg
+
+
+def structured_outputs_to_proto(**kind) -> pb.StructuredOutputs:
+    """One of json (a schema as a dict or JSON text), json_object, regex, choice (a list) or grammar."""
+    unknown = sorted(set(kind) - set(STRUCTURED_OUTPUT_KINDS))
+    if unknown or len(kind) != 1:
+        raise TypeError(f"structured_outputs takes exactly one of {STRUCTURED_OUTPUT_KINDS}, got {sorted(kind)}")
+    (name, value), = kind.items()
+    if name == "json" and not isinstance(value, str):
+        value = json.dumps(value)
+    if name == "choice":
+        return pb.StructuredOutputs(choice=pb.ChoiceList(choices=value))
+    return pb.StructuredOutputs(**{name: value})
 
 
 def beam_search_to_proto(beam_width: int, max_tokens: int, ignore_eos: bool = False, length_penalty: float = 1.0,

@@ -15,7 +15,7 @@ from pagedserve.proto.fields import (
     SAMPLING_FIELDS,
 )
 from pagedserve.proto.v1 import generation_pb2 as pb
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -31,6 +31,18 @@ def _enum(name: str, value: int, known) -> int:
     if value not in known:
         raise InvalidRequestError(f"{name}: unknown value {value}")
     return value
+
+
+def _structured_outputs(so: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("sampling_params.structured_outputs: set one of json, json_object, regex, choice "
+                                  "or grammar")
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    try:
+        return StructuredOutputsParams(**{kind: value})
+    except ValueError as e:
+        raise InvalidRequestError(f"sampling_params.{e}") from None
 
 
 def params_from_proto(req: pb.GenerateRequest) -> ParsedRequest:
@@ -62,6 +74,8 @@ def params_from_proto(req: pb.GenerateRequest) -> ParsedRequest:
     kw = {name: getattr(sp, name) for name in OPTIONAL_SAMPLING_FIELDS if sp.HasField(name)}
     kw.update({name: list(getattr(sp, name)) for name in REPEATED_SAMPLING_FIELDS})
     kw.update({name: getattr(sp, name) for name in PLAIN_SAMPLING_FIELDS})
+    if sp.HasField("structured_outputs"):
+        kw["structured_outputs"] = _structured_outputs(sp.structured_outputs)
     try:
         params = SamplingParams(**kw)
     except ValueError as e:

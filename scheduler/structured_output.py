@@ -1,0 +1,138 @@
+"""Structured output with llguidance: JSON schemas, any JSON object, regular expressions, choices and Lark/GBNF
+grammars become token masks.
+
+Grammars compile on a worker thread, cached by their spec (one compiled matcher per distinct constraint, which every
+sequence that uses it deep-copies), so the engine thread never waits for one: a request stays in the waiting queue
+until its grammar is ready while the others go ahead. Each step the scheduler asks for one batched bitmask, a row
+per sampling row (drafts included: row j allows what may follow the first j drafts), and matchers advance only on
+the tokens a sequence keeps, so nothing needs rolling back when speculation is rejected.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+from pagedserve.sampling_params import StructuredOutputsParams
+
+_ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def grammar_spec(so: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint (cheap: the compiling is done by the matcher)."""
+    if so.json is not None:
+        return llguidance.grammar_from("json_schema", so.json if isinstance(so.json, str) else json.dumps(so.json))
+    if so.json_object:
+        return llguidance.grammar_from("json_schema", _ANY_JSON_OBJECT)
+    if so.regex is not None:
+        return llguidance.grammar_from("regex", so.regex)
+    if so.choice is not None:
+        return llguidance.grammar_from("choice", json.dumps(so.choice))
+    return llguidance.grammar_from("grammar", so.grammar)
+
+
+def grammar_error(so: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer) -> str | None:
+    """Why a constraint cannot be compiled, naming its kind; None when it can."""
+    try:
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_spec(so), tokenizer)
+    except (ValueError, TypeError) as e:
+        return f"structured_outputs.{so.kind}: {e}"
+    return f"structured_outputs.{so.kind}: {'; '.join(messages).strip()}" if is_error else None
+
+
+class StructuredOutputManager:
+    """``tokenizer_factory`` builds the llguidance tokenizer (the model's vocabulary and EOS ids); it is called once,
+    on the compile thread, when the first constrained request arrives."""
+
+    def __init__(self, tokenizer_factory: Callable[[], llguidance.LLTokenizer], vocab_size: int) -> None:
+        self._tokenizer_factory = tokenizer_factory
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self.vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._executor: llguidance.LLExecutor | None = None
+        self._compiled: dict[str, Future] = {}  # grammar spec -> its compiled (unused) matcher
+        self._pending: dict[str, Future] = {}  # request id -> its grammar
+        self._matchers: dict[int, llguidance.LLMatcher] = {}  # seq id -> its matcher
+        self.compile_seconds: list[float] = []  # compile times not yet observed by the metrics
+        self.num_constrained_requests = 0
+
+    def _compile(self, spec: str) -> llguidance.LLMatcher:
+        start = time.perf_counter()
+        if self._tokenizer is None:
+            self._tokenizer = self._tokenizer_factory()
+        matcher = llguidance.LLMatcher(self._tokenizer, spec)
+        if matcher.is_error():
+            raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+        self.compile_seconds.append(time.perf_counter() - start)
+        return matcher
+
+    def add(self, request_id: str, so: StructuredOutputsParams) -> None:
+        """Start compiling a request's grammar (or reuse the compiled one)."""
+        spec = grammar_spec(so)
+        if spec not in self._compiled:
+            self._compiled[spec] = self._pool.submit(self._compile, spec)
+        self._pending[request_id] = self._compiled[spec]
+        self.num_constrained_requests += 1
+
+    def ready(self, request_id: str) -> bool:
+        future = self._pending.get(request_id)
+        return future is None or future.done()
+
+    def error(self, request_id: str) -> str | None:
+        """Why a ready grammar failed to compile (the input processor validates first: a backstop), else None."""
+        future = self._pending.get(request_id)
+        if future is None or not future.done() or future.exception() is None:
+            return None
+        return f"structured output: {future.exception()}"
+
+    def start(self, request_id: str, seqs: list[tuple[int, list[int]]]) -> None:
+        """Matchers for a request's sequences, (seq id, output tokens so far) each, once its grammar is ready."""
+        prototype = self._pending.pop(request_id).result()
+        for seq_id, output in seqs:
+            matcher = prototype.deep_copy()
+            if output:  # a request resumed from another engine: replay what it generated
+                matcher.consume_tokens(output)
+            self._matchers[seq_id] = matcher
+
+    def fork(self, parent: int, child: int) -> None:
+        if parent in self._matchers:
+            self._matchers[child] = self._matchers[parent].deep_copy()
+
+    def constrained(self, seq_id: int) -> bool:
+        return seq_id in self._matchers
+
+    def accept(self, seq_id: int, token: int) -> bool:
+        """Advance on a token the sequence keeps; True once the grammar is complete (nothing may follow)."""
+        matcher = self._matchers[seq_id]
+        matcher.consume_token(token)
+        return matcher.is_stopped()
+
+    def free(self, seq_id: int) -> None:
+        self._matchers.pop(seq_id, None)
+
+    def abandon(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def bitmask(self, rows: list[tuple[int, list[int]]]) -> tuple[np.ndarray, dict[int, int]]:
+        """One bitmask for this step's constrained sampling rows: per (seq id, drafts), 1 + len(drafts) rows (row
+        j: what may follow the first j drafts); and each sequence's first row. Filled in parallel in llguidance."""
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        first: dict[int, int] = {}
+        work = []
+        total = 0
+        for seq_id, drafts in rows:
+            first[seq_id] = total
+            work.append((self._matchers[seq_id], total, list(drafts)))
+            total += 1 + len(drafts)
+        mask = llg_numpy.allocate_token_bitmask(total, self.vocab_size)
+        llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, work, mask)
+        return mask, first
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
