@@ -1,17 +1,24 @@
-"""Online serving over gRPC: the serving workload of ../shared/BENCHMARKS.md against a running `pagedserve serve`.
+"""Online serving over gRPC and HTTP: the serving workload of ../shared/BENCHMARKS.md against a running
+`pagedserve serve`, and (with --vllm) the same workload over HTTP against `vllm serve` from vLLM's CPU build.
 
     python benchmarks/serve.py [--model bench-llama-58m] [--num-prompts 100] [--rates 1 2 4 inf] [--pairs 3]
-                               [--prometheus]
+                               [--protocols grpc http] [--vllm] [--prometheus]
 
-Starts `pagedserve serve` as its own process (Ray, engine-core actor, gateway), sends the sharegpt-like requests as
-token ids with Poisson arrivals at each rate (and all at once for `inf`), and measures with vLLM's `bench serve`
-definitions: TTFT, TPOT (first token excluded), ITL (every gap between streamed chunks) and end-to-end latency
-(mean, p50, p90, p99), request and output-token throughput. The client runs on uvloop, as a load generator should.
+Starts `pagedserve serve` as its own process (Ray, engine-core actor, gateway serving gRPC and the OpenAI-compatible
+HTTP API), sends the sharegpt-like requests as token ids with Poisson arrivals at each rate (and all at once for
+`inf`), over gRPC (the pagedserve client) and over HTTP (streamed /v1/completions with a list-of-int prompt, read by
+an aiohttp client as vLLM's `bench serve` does), and measures with vLLM's `bench serve` definitions: TTFT, TPOT
+(first token excluded), ITL (every gap between streamed chunks) and end-to-end latency (mean, p50, p90, p99),
+request and output-token throughput. The clients run on uvloop, as a load generator should.
 
-The gateway's overhead is measured at infinite rate as the median of --pairs back-to-back pairs, each the same
-requests (fresh token ids per pair) over gRPC and then through the offline `LLM` in this process. This machine's
-speed drifts by several percent within minutes, so only runs side by side are compared. Before the server starts,
-as many pairs of engine-core actor over Ray (no gateway) and offline split the loss between the two.
+The gateway's overhead is measured at infinite rate as the median of --pairs back-to-back pairs: each pair sends the
+same-length requests (fresh token ids each run) over every protocol and then through the offline `LLM` in this
+process. This machine's speed drifts by several percent within minutes, so only runs side by side are compared.
+Before the server starts, as many pairs of engine-core actor over Ray (no gateway) and offline split the loss.
+
+--vllm then stops pagedserve and starts `vllm serve` (benchmarks/.venv-vllm, made by setup_vllm_cpu.sh; float32,
+VLLM_CPU_KVCACHE_SPACE=4, OMP_NUM_THREADS=2, the same max_num_seqs) and runs the same rates over HTTP, for the
+side-by-side table. Only one server runs at a time: both would share the same two cores.
 With --prometheus, a local Prometheus scrapes the gateway during the run and the dashboard's key panels are
 rendered to deploy/grafana/dashboard.png. Results: benchmarks/results/serve.{json,png}.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import signal
@@ -39,6 +47,8 @@ from pagedserve.cluster.client import AsyncClient, Client
 from pagedserve.tests.server_thread import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_VENV = os.path.join(REPO, "benchmarks", ".venv-vllm")
+PROTOCOLS = ("grpc", "http")
 
 
 @dataclass
@@ -104,6 +114,56 @@ async def run_rate(target: str, wl: Workload, rate: float, seed: int = 0) -> lis
     return timings
 
 
+async def run_rate_http(base_url: str, model: str, wl: Workload, rate: float, seed: int = 0) -> list[RequestTiming]:
+    """As run_rate, over HTTP: streamed POST /v1/completions, the prompt as token ids (pagedserve's API and
+    vLLM's alike). A chunk's arrival counts when it carries text or tokens; the output length is the usage's."""
+    import aiohttp
+
+    rng = np.random.default_rng(seed)
+    gaps = np.zeros(len(wl.prompts)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(wl.prompts))
+    timings = [RequestTiming(0.0) for _ in wl.prompts]
+    url = f"{base_url}/v1/completions"
+
+    async def one(i: int, session: aiohttp.ClientSession) -> None:
+        t = timings[i]
+        body = {"model": model, "prompt": wl.prompts[i], "max_tokens": wl.output_lens[i], "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        t.sent = time.perf_counter()
+        try:
+            async with session.post(url, json=body) as resp:
+                if resp.status != 200:
+                    t.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                    return
+                async for line in resp.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[6:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        t.error = str(chunk["error"])
+                        break
+                    if any(c.get("text") or c.get("token_ids") for c in chunk.get("choices") or ()):
+                        t.chunks.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        t.output_tokens = chunk["usage"]["completion_tokens"]
+                        details = chunk["usage"].get("prompt_tokens_details") or {}
+                        t.cached_prompt_tokens = details.get("cached_tokens") or 0
+        except Exception as e:  # recorded, counted as failed
+            t.error = repr(e)
+
+    connector = aiohttp.TCPConnector(limit=0)  # every request its own connection, as concurrent clients have
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        tasks = []
+        for i, gap in enumerate(gaps):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(i, session)))
+        await asyncio.gather(*tasks)
+    return timings
+
+
 def fresh_tokens(wl: Workload, seed: int, vocab: int = 32000) -> Workload:
     """The same prompt and output lengths with new random token ids: each rate's run gets prompts the server's
     prefix cache has not seen (it is on by default), so no run is faster for following another."""
@@ -111,8 +171,9 @@ def fresh_tokens(wl: Workload, seed: int, vocab: int = 32000) -> Workload:
     return Workload(wl.name, [rng.integers(3, vocab, len(p)).tolist() for p in wl.prompts], wl.output_lens)
 
 
-def report(s: dict) -> None:
-    print(f"rate {s['rate']:>4} req/s: {s['request_throughput']:.2f} req/s, {s['output_tok_s']:.1f} out tok/s, "
+def report(s: dict, label: str = "") -> None:
+    print(f"{label:<16}rate {s['rate']:>4} req/s: {s['request_throughput']:.2f} req/s, "
+          f"{s['output_tok_s']:.1f} out tok/s, "
           f"TTFT p50 {s['ttft_ms']['p50']:.0f} p99 {s['ttft_ms']['p99']:.0f} ms, "
           f"TPOT p50 {s['tpot_ms']['p50']:.1f} ms, ITL p50 {s['itl_ms']['p50']:.1f} p99 {s['itl_ms']['p99']:.1f} ms, "
           f"E2E p50 {s['e2e_ms']['p50'] / 1e3:.1f} s, failed {s['failed']}")
@@ -186,19 +247,27 @@ def median_loss(pairs: list[dict], key: str) -> dict:
 
 
 class Server:
-    """`pagedserve serve` in its own process group (it starts its own Ray instance)."""
+    """`pagedserve serve` in its own process group (it starts its own Ray instance), gRPC and HTTP."""
 
     def __init__(self, model_dir: str, max_num_seqs: int, device: str, log_path: str) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.model = os.path.basename(os.path.normpath(model_dir))
         exe = os.path.join(os.path.dirname(sys.executable), "pagedserve")
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [exe, "serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
-             "--metrics-port", str(self.metrics_port), "--max-num-seqs", str(max_num_seqs), "--device", device],
+             "--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port),
+             "--max-num-seqs", str(max_num_seqs), "--device", device],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def run(self, protocol: str, wl: Workload, rate: float) -> list[RequestTiming]:
+        if protocol == "grpc":
+            return uvloop.run(run_rate(self.target, wl, rate))
+        return uvloop.run(run_rate_http(self.url, self.model, wl, rate))
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         def alive() -> None:
@@ -218,6 +287,78 @@ class Server:
         self.log.close()
 
 
+def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
+    """vLLM's CPU-backend settings, as benchmarks/vllm_driver.py sets them for the offline baseline."""
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), OMP_NUM_THREADS=str(threads),
+               VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)), HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    libs = [os.path.join(VLLM_VENV, "lib", n) for n in ("libtcmalloc_minimal.so.4", "libiomp5.so")]
+    libs = [lib for lib in libs if os.path.isfile(lib)]
+    if libs:
+        env["LD_PRELOAD"] = ":".join(filter(None, [*libs, os.environ.get("LD_PRELOAD", "")]))
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+class VllmServer:
+    """`vllm serve` from vLLM's CPU build (benchmarks/.venv-vllm), float32, in its own process group."""
+
+    def __init__(self, model_dir: str, max_num_seqs: int, log_path: str, threads: int = 2,
+                 kv_cache_gib: int = 4) -> None:
+        python = os.path.join(VLLM_VENV, "bin", "python")
+        if not os.path.isfile(python):
+            raise SystemExit(f"{python} is missing: run bash benchmarks/setup_vllm_cpu.sh first")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = "bench"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            # `vllm serve`'s server, started through its module: the `vllm` command looks up the distribution
+            # "vllm", and the CPU build installs as "vllm-cpu".
+            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+             "--port", str(self.port), "--dtype", "float32",
+             "--max-num-seqs", str(max_num_seqs), "--seed", "0", "--served-model-name", self.model,
+             "--disable-uvicorn-access-log", "--disable-log-stats"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=vllm_env(threads, kv_cache_gib), start_new_session=True,
+            cwd=tempfile.gettempdir())  # not the repo root: its kernels/ would shadow the `kernels` package
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        """vLLM compiles the model for CPU at start-up: minutes, not seconds."""
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve not ready after {timeout:.0f} s; see {self.log.name}")
+            time.sleep(1.0)
+
+    def run(self, wl: Workload, rate: float) -> list[RequestTiming]:
+        return uvloop.run(run_rate_http(self.url, self.model, wl, rate))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def warm_up(run, wl: Workload) -> None:
+    warm = fresh_tokens(wl, 10_000)
+    run(Workload("warmup", warm.prompts[:4], [8] * 4), math.inf)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="bench-llama-58m", choices=sorted(REFERENCE_MODELS))
@@ -226,6 +367,8 @@ def main() -> None:
                     help="Poisson request rates in requests/s; inf sends all at t=0")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)
+    ap.add_argument("--vllm", action="store_true", help="then the same rates over HTTP against `vllm serve`")
     ap.add_argument("--prometheus", action="store_true",
                     help="scrape the gateway with a local Prometheus and render deploy/grafana/dashboard.png")
     ap.add_argument("--pairs", type=int, default=3, help="side-by-side runs for each overhead ratio")
@@ -246,7 +389,8 @@ def main() -> None:
     log = os.path.join(tempfile.gettempdir(), f"{args.out}-server.log")
     server = Server(model_dir, args.max_num_seqs, args.device, log)
     prom = None
-    grpc_pairs = []
+    runs: dict[str, list[dict]] = {p: [] for p in args.protocols}
+    pairs = []
     try:
         server.wait_ready()
         if args.prometheus:
@@ -254,13 +398,13 @@ def main() -> None:
 
             prom = LocalPrometheus([f"127.0.0.1:{server.metrics_port}"], tempfile.mkdtemp(prefix="prom"),
                                    scrape_interval="1s").start()
-        warm = fresh_tokens(wl, 10_000)
-        uvloop.run(run_rate(server.target, Workload("warmup", warm.prompts[:4], [8] * 4), math.inf))
+        for protocol in args.protocols:
+            warm_up(lambda w, r, p=protocol: server.run(p, w, r), wl)
         t_start = time.time()
-        runs = []
         for i, rate in enumerate(args.rates):
-            runs.append(summarize(uvloop.run(run_rate(server.target, fresh_tokens(wl, i + 1), rate)), rate))
-            report(runs[-1])
+            for k, protocol in enumerate(args.protocols):  # fresh token ids per run: no run hits another's cache
+                runs[protocol].append(summarize(server.run(protocol, fresh_tokens(wl, 1 + i + 1000 * k), rate), rate))
+                report(runs[protocol][-1], f"pagedserve {protocol}")
         t_end = time.time()
         if prom is not None:
             time.sleep(3)  # the last scrapes
@@ -271,34 +415,92 @@ def main() -> None:
                                        os.path.join(REPO, "deploy", "grafana", "dashboard.png"), rate_window="6s"))
             prom.stop()
             prom = None
-        print(f"gRPC at infinite rate (no Prometheus) vs offline, {args.pairs} pairs:")
+        print(f"{' and '.join(args.protocols)} at infinite rate (no Prometheus) vs offline, {args.pairs} pairs:")
         for k in range(args.pairs):
-            w = fresh_tokens(wl, 100 + k)
-            res = summarize(uvloop.run(run_rate(server.target, w, math.inf)), math.inf)
-            grpc_pairs.append({"grpc_output_tok_s": res["output_tok_s"], "offline_output_tok_s": offline.run(w),
-                               "grpc_failed": res["failed"]})
-            print(f"  pair {k}: gRPC {res['output_tok_s']:.1f}, offline {grpc_pairs[-1]['offline_output_tok_s']:.1f} "
-                  f"out tok/s")
+            pair = {}
+            for j, protocol in enumerate(args.protocols):
+                res = summarize(server.run(protocol, fresh_tokens(wl, 100 + k + 1000 * j), math.inf), math.inf)
+                pair[f"{protocol}_output_tok_s"], pair[f"{protocol}_failed"] = res["output_tok_s"], res["failed"]
+            pair["offline_output_tok_s"] = offline.run(fresh_tokens(wl, 100 + k))
+            pairs.append(pair)
+            print(f"  pair {k}: " + ", ".join(f"{p} {pair[f'{p}_output_tok_s']:.1f}" for p in args.protocols)
+                  + f", offline {pair['offline_output_tok_s']:.1f} out tok/s")
     finally:
         if prom is not None:
             prom.stop()
         server.stop()
-    total, actor = median_loss(grpc_pairs, "grpc_output_tok_s"), median_loss(direct, "actor_direct_output_tok_s")
-    overhead = {"pairs": args.pairs, "grpc_vs_offline": grpc_pairs, "actor_direct_vs_offline": direct,
-                "throughput_loss": total, "ray_actor_loss": actor,
-                # what the gateway and gRPC add on top of the Ray-hosted engine
-                "gateway_loss": 1 - (1 - total["median"]) / (1 - actor["median"])}
-    print(f"gateway overhead at infinite rate: gRPC loses {total['median']:.1%} of the offline engine's output "
-          f"throughput (median of {args.pairs} pairs, {total['min']:.1%} .. {total['max']:.1%}); the engine in a Ray "
-          f"actor without the gateway loses {actor['median']:.1%} ({actor['min']:.1%} .. {actor['max']:.1%}), "
-          f"so the gateway and gRPC add {overhead['gateway_loss']:.1%}")
-    base = statistics.mean(p["offline_output_tok_s"] for p in grpc_pairs + direct)
+    actor = median_loss(direct, "actor_direct_output_tok_s")
+    overhead = {"pairs": args.pairs, "vs_offline": pairs, "actor_direct_vs_offline": direct, "ray_actor_loss": actor}
+    for protocol in args.protocols:
+        loss = median_loss(pairs, f"{protocol}_output_tok_s")
+        overhead[f"{protocol}_throughput_loss"] = loss
+        # what the gateway and the protocol add on top of the Ray-hosted engine
+        overhead[f"{protocol}_gateway_loss"] = 1 - (1 - loss["median"]) / (1 - actor["median"])
+        print(f"gateway overhead at infinite rate: {protocol} loses {loss['median']:.1%} of the offline engine's "
+              f"output throughput (median of {args.pairs} pairs, {loss['min']:.1%} .. {loss['max']:.1%}); the "
+              f"gateway and {protocol} add {overhead[f'{protocol}_gateway_loss']:.1%} to the Ray actor's "
+              f"{actor['median']:.1%}")
+
+    vllm = None
+    if args.vllm:
+        vllm = run_vllm(model_dir, wl, args.rates, args.max_num_seqs, args.out)
+
+    base = statistics.mean(p["offline_output_tok_s"] for p in pairs + direct)
     results = {"model": args.model, "device": args.device, "requests": len(wl.prompts),
                "prompt_tokens": wl.num_prompt_tokens, "output_tokens": wl.num_output_tokens,
-               "offline": {"output_tok_s": base}, "runs": [dict(r, rate=str(r["rate"])) for r in runs],
+               "offline": {"output_tok_s": base},
+               "runs": {p: [dict(r, rate=str(r["rate"])) for r in rs] for p, rs in runs.items()},
                "gateway_overhead": overhead}
+    if vllm is not None:
+        results["vllm_serve"] = vllm
+        if "http" in runs:
+            results["pagedserve_http_vs_vllm_http"] = compare(runs["http"], vllm["runs"])
+            print_comparison(runs["http"], vllm["runs"])
     print("saved", save_results(args.out, results))
     plot(results, args.out)
+
+
+def run_vllm(model_dir: str, wl: Workload, rates: list[float], max_num_seqs: int, out: str) -> dict:
+    log = os.path.join(tempfile.gettempdir(), f"{out}-vllm.log")
+    server = VllmServer(model_dir, max_num_seqs, log)
+    runs = []
+    try:
+        t = time.perf_counter()
+        server.wait_ready()
+        print(f"vllm serve ready in {time.perf_counter() - t:.0f} s (log: {log})")
+        warm_up(server.run, wl)
+        for i, rate in enumerate(rates):
+            runs.append(summarize(server.run(fresh_tokens(wl, 1 + i), rate), rate))
+            report(runs[-1], "vllm http")
+    finally:
+        server.stop()
+    return {"vllm_version": vllm_version(), "runs": [dict(r, rate=str(r["rate"])) for r in runs]}
+
+
+def vllm_version() -> str:
+    """From the vLLM venv's package metadata (vLLM is not importable here)."""
+    import glob
+
+    found = glob.glob(os.path.join(VLLM_VENV, "lib", "python3*", "site-packages", "vllm*.dist-info"))
+    return os.path.basename(found[0])[: -len(".dist-info")].split("-")[1] if found else "unknown"
+
+
+def compare(ours: list[dict], theirs: list[dict]) -> list[dict]:
+    """Per rate: pagedserve / vLLM for throughput (above 1: pagedserve faster) and for p50 latencies (below 1:
+    pagedserve faster)."""
+    rows = []
+    for a, b in zip(ours, theirs):
+        rows.append({"rate": str(a["rate"]), "output_tok_s": a["output_tok_s"] / b["output_tok_s"],
+                     **{f"{k}_p50": a[k]["p50"] / b[k]["p50"] for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")}})
+    return rows
+
+
+def print_comparison(ours: list[dict], theirs: list[dict]) -> None:
+    print("pagedserve HTTP vs vllm serve HTTP (ratios pagedserve / vLLM; throughput above 1 and latency below 1 "
+          "favour pagedserve):")
+    for row in compare(ours, theirs):
+        print(f"  rate {row['rate']:>4}: out tok/s x{row['output_tok_s']:.2f}, TTFT p50 x{row['ttft_ms_p50']:.2f}, "
+              f"TPOT p50 x{row['tpot_ms_p50']:.2f}, ITL p50 x{row['itl_ms_p50']:.2f}, E2E p50 x{row['e2e_ms_p50']:.2f}")
 
 
 def plot(results: dict, name: str) -> None:
@@ -307,30 +509,34 @@ def plot(results: dict, name: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = results["runs"]
-    labels = [r["rate"] for r in runs]
-    x = range(len(runs))
+    series = {f"pagedserve {p}": rs for p, rs in results["runs"].items()}
+    if "vllm_serve" in results:
+        series["vllm http"] = results["vllm_serve"]["runs"]
+    first = next(iter(series.values()))
+    labels = [r["rate"] for r in first]
+    x = range(len(first))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, key, title in [(axes[0], "ttft_ms", "time to first token"), (axes[1], "tpot_ms", "time per output token")]:
-        for p in ("p50", "p90", "p99"):
-            ax.plot(x, [r[key][p] for r in runs], marker="o", label=p)
+    for ax, key, title in [(axes[0], "ttft_ms", "time to first token (p50, p99)"),
+                           (axes[1], "tpot_ms", "time per output token (p50, p99)")]:
+        for label, runs in series.items():
+            line, = ax.plot(x, [r[key]["p50"] for r in runs], marker="o", label=f"{label} p50")
+            ax.plot(x, [r[key]["p99"] for r in runs], marker="x", ls="--", color=line.get_color(),
+                    label=f"{label} p99")
         ax.set_title(title)
         ax.set_ylabel("ms")
-    axes[2].plot(x, [r["e2e_ms"]["p50"] / 1e3 for r in runs], marker="o", label="E2E p50 (s)")
-    axes[2].plot(x, [r["e2e_ms"]["p99"] / 1e3 for r in runs], marker="o", label="E2E p99 (s)")
-    axes[2].set_title("end-to-end latency")
-    axes[2].set_ylabel("s")
-    ax3 = axes[2].twinx()
-    ax3.bar(x, [r["output_tok_s"] for r in runs], alpha=0.2, color="gray", label="out tok/s")
-    ax3.axhline(results["offline"]["output_tok_s"], color="gray", ls="--", label="offline out tok/s")
-    ax3.set_ylabel("output tok/s")
-    ax3.legend(loc="upper left", fontsize=8)
+    width = 0.8 / len(series)
+    for j, (label, runs) in enumerate(series.items()):
+        axes[2].bar([i + (j - (len(series) - 1) / 2) * width for i in x], [r["output_tok_s"] for r in runs],
+                    width, label=label)
+    axes[2].axhline(results["offline"]["output_tok_s"], color="gray", ls="--", label="pagedserve offline")
+    axes[2].set_title("output throughput")
+    axes[2].set_ylabel("output tok/s")
     for ax in axes:
         ax.set_xticks(list(x), labels)
         ax.set_xlabel("request rate (req/s)")
-        ax.legend(loc="upper right" if ax is not axes[2] else "center left", fontsize=8)
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{results['model']} over gRPC, {results['requests']} sharegpt-like requests ({results['device']})")
+    fig.suptitle(f"{results['model']}, {results['requests']} sharegpt-like requests ({results['device']})")
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, f"{name}.png"), dpi=110)
 

@@ -29,7 +29,7 @@ def test_serve_process_client_cli_and_sigterm_drain(ray_cluster, llama_dir):
     port = free_port()
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     proc = subprocess.Popen(PS + ["serve", "--model", llama_dir, "--host", "127.0.0.1", "--port", str(port),
-                                  "--drain-timeout", "60"],
+                                  "--http-port", str(free_port()), "--drain-timeout", "60"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     target = f"127.0.0.1:{port}"
     try:

@@ -1,4 +1,5 @@
-"""``pagedserve serve``: start (or join) Ray, launch the replicas, serve gRPC until SIGTERM, then drain."""
+"""``pagedserve serve``: start (or join) Ray, launch the replicas, serve gRPC and HTTP (the OpenAI-compatible API)
+until SIGTERM, then drain."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,9 @@ from pagedserve.engine.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_HTTP_PORT = 8000
+
+
 @dataclass
 class ServeOptions:
     """The server's own options (the engine's are ``EngineArgs``)."""
@@ -42,6 +46,10 @@ class ServeOptions:
     drain_timeout: float = 30.0
     served_model_name: str | None = None
     metrics_port: int = 9400  # 0: no /metrics endpoint
+    # The OpenAI-compatible HTTP API; 0: none. `pagedserve serve --http-port` defaults to 8000; code that builds its
+    # own options (the demo, tests) opts in.
+    http_port: int = 0
+    chat_template: str | None = None  # a file (or an inline template) overriding the tokenizer's chat template
 
 
 async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None = None,
@@ -53,12 +61,15 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
     name = opts.served_model_name or os.path.basename(os.path.normpath(model_dir))
     metrics = GatewayMetrics(name)
     gateway = Gateway(tokenizer, metrics, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
-                      opts.max_concurrent_requests)
+                      opts.max_concurrent_requests, opts.http_port or None, opts.chat_template)
     await gateway.start()
     if opts.metrics_port:
         gateway.metrics_port = metrics.start_http_server(opts.metrics_port, opts.host)
         logger.info("Prometheus metrics on http://%s:%d/metrics", opts.host, gateway.metrics_port)
     logger.info("gRPC gateway listening on %s:%d (NOT_SERVING until the model is loaded)", opts.host, gateway.port)
+    if gateway.http is not None:
+        logger.info("OpenAI-compatible API on %s://%s:%d/v1 (503 until the model is loaded)", gateway.http.scheme,
+                    opts.host, gateway.http_port)
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -129,6 +140,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "resume); 0: never")
     g.add_argument("--served-model-name", default=None, help="the model_name label and GetModelInfo name")
     g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0: off)")
+    g.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                   help="port of the OpenAI-compatible HTTP API (0: off); same key, TLS files and limits as gRPC")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template file (Jinja) for /v1/chat/completions, overriding the tokenizer's")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
-"""The gateway (``pagedserve serve``'s front door): one serving state shared by every protocol's server. Up, and
-NOT_SERVING, before the model loads; SERVING after warm-up; NOT_SERVING while it drains on shutdown."""
+"""The gateway (``pagedserve serve``'s front door): one serving state shared by every protocol's server (gRPC, and
+the OpenAI-compatible HTTP API on the same event loop). Up, and NOT_SERVING, before the model loads; SERVING after
+warm-up; NOT_SERVING while it drains on shutdown."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +8,7 @@ import logging
 
 from pagedserve.cluster.server.grpc_api.server import GrpcServer
 from pagedserve.cluster.server.metrics import GatewayMetrics
+from pagedserve.cluster.server.openai.server import HttpServer
 from pagedserve.cluster.server.state import ModelInfo, ServingState
 from pagedserve.engine.protocol import EngineClient
 
@@ -16,7 +18,9 @@ logger = logging.getLogger(__name__)
 class Gateway:
     def __init__(self, tokenizer, metrics: GatewayMetrics, host: str = "0.0.0.0", port: int = 50051,
                  api_key: str | None = None, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
-                 max_concurrent_requests: int = 4096) -> None:
+                 max_concurrent_requests: int = 4096, http_port: int | None = None,
+                 chat_template: str | None = None) -> None:
+        """``http_port``: None serves no HTTP API (0: a free port)."""
         if max_concurrent_requests < 1:
             raise ValueError(f"max_concurrent_requests must be at least 1, got {max_concurrent_requests}")
         self.metrics = metrics
@@ -24,9 +28,15 @@ class Gateway:
         self.state = ServingState(tokenizer, metrics, max_concurrent_requests)
         self.grpc = GrpcServer(self.state, host, port, api_key, ssl_certfile, ssl_keyfile)
         self.port = self.grpc.port
+        self.http = None
+        if http_port is not None:
+            self.http = HttpServer(self.state, host, http_port, api_key, ssl_certfile, ssl_keyfile, chat_template)
+        self.http_port = self.http.port if self.http else None
 
     async def start(self) -> None:
         await self.grpc.start()
+        if self.http is not None:
+            await self.http.start()
 
     async def set_ready(self, engine: EngineClient, model: ModelInfo) -> None:
         await self.state.set_ready(engine, model)
@@ -38,5 +48,6 @@ class Gateway:
             await asyncio.wait_for(self.state.idle.wait(), timeout)
         except asyncio.TimeoutError:
             logger.warning("drain timeout: %d request(s) still running are cancelled", self.state.in_flight)
-        await self.grpc.stop(grace=1.0)
+        stops = [self.grpc.stop(grace=1.0)] + ([self.http.stop(grace=1.0)] if self.http is not None else [])
+        await asyncio.gather(*stops)
         self.metrics.stop_http_server()

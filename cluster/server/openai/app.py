@@ -1,0 +1,246 @@
+"""The FastAPI application: routes, API-key check, and every error as OpenAI's error body (request validation
+included: 400, not FastAPI's 422)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pydantic_core
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import Message
+
+from pagedserve import __version__
+from pagedserve.cluster.server.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
+from pagedserve.cluster.server.openai.chat_template import ChatTemplate
+from pagedserve.cluster.server.openai.completion_protocol import CompletionRequest, CompletionResponse
+from pagedserve.cluster.server.openai.errors import OpenAIError, from_exception
+from pagedserve.cluster.server.openai.generation import ClientDisconnected, served_model, until_disconnect
+from pagedserve.cluster.server.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    error_statuses,
+)
+from pagedserve.cluster.server.openai.serving_chat import FIELDS as CHAT_FIELDS
+from pagedserve.cluster.server.openai.serving_chat import ChatServing
+from pagedserve.cluster.server.openai.serving_completions import FIELDS as COMPLETION_FIELDS
+from pagedserve.cluster.server.openai.serving_completions import CompletionServing
+from pagedserve.cluster.server.state import ServingState
+from pagedserve.engine.protocol import EngineClient
+from pagedserve.errors import EngineUnavailableError
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+INLINE_TOKENIZE_CHARS = 16_384
+CLIENT_CLOSED = 499  # nginx's "client closed request": never seen by the client, which is gone
+MAX_BODY_BYTES = 64 * 1024 * 1024  # as gRPC's message limit
+_EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "`data: {chunk}` events, then "
+                                                                                   "`data: [DONE]`"}}}
+
+
+class _JSONRequest(Request):
+    async def json(self) -> Any:
+        # pydantic-core's parser, not the stdlib's: it refuses lone surrogates ("\ud800"), which no tokenizer can
+        # encode, and NaN / Infinity, which JSON does not have.
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = pydantic_core.from_json(body, allow_inf_nan=False)
+            except ValueError as e:
+                raise json.JSONDecodeError(str(e), body.decode("utf-8", "replace"), 0) from None
+        return self._json
+
+
+class _Route(APIRoute):
+    """Requests as _JSONRequest, their bodies capped at MAX_BODY_BYTES (413)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+        too_large = f"the body exceeds {MAX_BODY_BYTES} bytes"
+
+        async def route(request: Request) -> Response:
+            length = request.headers.get("content-length", "")
+            if length.isdigit() and int(length) > MAX_BODY_BYTES:
+                raise OpenAIError(413, too_large)
+            received = 0
+
+            async def receive() -> Message:  # a body without a length is counted as it comes
+                nonlocal received
+                message = await request.receive()
+                received += len(message.get("body", b""))
+                if received > MAX_BODY_BYTES:
+                    raise HTTPException(413, too_large)
+                return message
+
+            return await handler(_JSONRequest(request.scope, receive))
+
+        return route
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    parts, param = [], None
+    for err in exc.errors()[:3]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or where or None
+        if err.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON: {(err.get('ctx') or {}).get('error') or err.get('msg')}")
+            param = None
+        else:
+            parts.append(f"{where or 'body'}: {err.get('msg')}")
+    more = len(exc.errors()) - 3
+    return OpenAIError(400, "; ".join(parts) + (f" (and {more} more)" if more > 0 else ""), param)
+
+
+def _ready(state: ServingState) -> EngineClient:
+    try:
+        return state.ready_engine()
+    except EngineUnavailableError as e:
+        raise OpenAIError(503, str(e)) from None
+
+
+async def _generation(request: Request, aw: Awaitable[Response], fields: set[str]) -> Response:
+    try:
+        return await until_disconnect(request.receive, aw)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    except Exception as e:
+        raise from_exception(e, fields) from None
+
+
+def build_app(state: ServingState, api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
+    app = FastAPI(title="pagedserve", version=__version__,
+                  description="OpenAI-compatible API of a pagedserve gateway (the gRPC API's twin).")
+    app.router.route_class = _Route
+    completions = CompletionServing(state)
+    chat = ChatServing(state, ChatTemplate(state.tokenizer, chat_template))
+    deps = []
+    auth = (401,) if api_key else ()
+    if api_key:
+        bearer = HTTPBearer(auto_error=False, description="--api-key")
+        expected = api_key.encode()
+
+        async def require_api_key(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+            if creds is None or not hmac.compare_digest(creds.credentials.encode(), expected):
+                raise OpenAIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key")
+
+        deps = [Depends(require_api_key)]
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> Response:
+        if request.method == "POST" and request.url.path in GENERATION_PATHS:
+            state.metrics.request("http").error(exc.grpc_code)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return await openai_error(request, _validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return await openai_error(request, OpenAIError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        return await openai_error(request, from_exception(exc))
+
+    generation_errors = error_statuses(400, *auth, 404, 413, 429, 500, 503)
+
+    @app.post("/v1/completions", dependencies=deps, response_model=CompletionResponse,
+              responses={200: {"content": _EVENT_STREAM}, **generation_errors})
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await _generation(request, completions.create(body), COMPLETION_FIELDS)
+
+    @app.post("/v1/chat/completions", dependencies=deps, response_model=ChatCompletionResponse,
+              responses={200: {"content": _EVENT_STREAM}, **generation_errors})
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _generation(request, chat.create(body), CHAT_FIELDS)
+
+    @app.get("/v1/models", dependencies=deps, response_model=ModelList, responses=error_statuses(*auth, 503))
+    async def list_models() -> ModelList:
+        engine = _ready(state)
+        return ModelList(data=[ModelCard(id=state.model.name, root=state.model.info.model,
+                                         max_model_len=engine.info.max_model_len)])
+
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "Serving."}, 503: {"model": ErrorResponse, "description": "Loading, "
+                        "draining, or no model replica can take requests."}})
+    async def health() -> Response:
+        if not state.serving:
+            reason = "draining" if state.draining else "loading" if state.engine is None else "no replica is up"
+            raise OpenAIError(503, f"not serving: {reason}")
+        return Response(status_code=200)
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format: the same registry as --metrics-port."}})
+    async def metrics() -> Response:
+        # The engines' metrics come over Ray at scrape time: off the event loop.
+        body = await asyncio.to_thread(generate_latest, state.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize", dependencies=deps, response_model=TokenizeResponse,
+              responses=error_statuses(400, *auth, 404, 413, 503))
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        engine = _ready(state)
+        served_model(state, body.model)
+        limit = engine.info.limits.max_prompt_bytes
+        if len(body.prompt) * 4 > limit and len(body.prompt.encode("utf-8", "surrogatepass")) > limit:
+            raise OpenAIError(400, f"prompt exceeds {limit} bytes (max_prompt_bytes)", "prompt")
+        tok = state.tokenizer
+
+        def run() -> list[int]:
+            return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+        try:
+            ids = await asyncio.to_thread(run) if len(body.prompt) > INLINE_TOKENIZE_CHARS else run()
+        except UnicodeEncodeError:
+            raise OpenAIError(400, "prompt is not valid Unicode text (unpaired surrogates)", "prompt") from None
+        return TokenizeResponse(count=len(ids), max_model_len=engine.info.max_model_len, tokens=ids,
+                                token_strs=tok.convert_ids_to_tokens(ids) if body.return_token_strs else None)
+
+    @app.post("/detokenize", dependencies=deps, response_model=DetokenizeResponse,
+              responses=error_statuses(400, *auth, 404, 413, 503))
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        _ready(state)
+        served_model(state, body.model)
+        vocab = len(state.tokenizer)
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise OpenAIError(400, f"tokens: {bad[:5]} outside the vocabulary [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens,
+                                                                skip_special_tokens=body.skip_special_tokens))
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI documents a 422 for every body; this API answers 400 (ErrorResponse) instead."""
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            for path in schema["paths"].values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return app

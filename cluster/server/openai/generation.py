@@ -1,0 +1,207 @@
+"""What both generation routes share: one HTTP request's admission slot, its request timer, its engine requests
+(one per prompt) merged into one stream of outputs, and the client's disconnect, which aborts them all."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from contextlib import ExitStack, aclosing
+from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.types import Receive
+
+from pagedserve.cluster.server.openai.errors import OpenAIError, model_not_found
+from pagedserve.cluster.server.state import ServingState
+from pagedserve.engine.core_types import EngineCoreRequest
+from pagedserve.engine.input_processor import PromptType
+from pagedserve.engine.protocol import EngineClient
+from pagedserve.outputs import BeamSearchOutput, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+T = TypeVar("T")
+Output = RequestOutput | BeamSearchOutput
+# How long a stream's status line waits for the engine to take the request: a full waiting queue gets its 429 well
+# within this (one Ray call); a request queued behind others then streams on, headers first.
+ADMISSION_WAIT_S = 0.5
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response."""
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(receive: Receive, aw: Awaitable[T]) -> T:
+    """``aw``'s result, unless the client goes away first: then ``aw`` is cancelled (closing its engine streams,
+    which aborts the requests and frees their blocks) and ClientDisconnected is raised."""
+    task = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # whatever it ended with, the client is gone
+        pass
+    raise ClientDisconnected
+
+
+def served_model(state: ServingState, name: str | None) -> str:
+    served = state.model.name
+    if name is not None and name != served:
+        raise model_not_found(name, served)
+    return served
+
+
+def new_request_id(given: str | None) -> str:
+    return given or uuid.uuid4().hex
+
+
+@dataclass
+class EnginePrompt:
+    request_id: str
+    text: str | None
+    request: EngineCoreRequest
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+
+def num_new_tokens(out: Output, prompt_len: int) -> int:
+    if isinstance(out, BeamSearchOutput):
+        return sum(len(b.tokens) - prompt_len for b in out.sequences)
+    return sum(len(c.token_ids) for c in out.outputs)
+
+
+def _first_finish_reason(out: Output) -> str | None:
+    if isinstance(out, BeamSearchOutput):
+        return out.sequences[0].finish_reason if out.sequences else None
+    return next((c.finish_reason for c in out.outputs if c.finish_reason), None)
+
+
+async def _merge(streams: list[AsyncIterator[Output]]) -> AsyncGenerator[tuple[int, Output], None]:
+    """(prompt index, output) from every engine stream as they come; closing this closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as s:
+            async for out in s:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Output]) -> None:
+        try:
+            async with aclosing(stream) as s:
+                async for out in s:
+                    queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:  # a pump cancelled before it started never opened its stream
+            await s.aclose()
+
+
+class GenerationRun:
+    """One HTTP generation request. ``close()`` (always called, once) aborts what still runs, releases the
+    admission slot and ends the request's metrics: finished, or "abort" (client gone) / "error"."""
+
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+        self.timer = state.metrics.request("http")
+        self.prompts: list[EnginePrompt] = []
+        self.admitted = False
+        self.finished = False
+        self.failed = False
+        self._slot = ExitStack()
+        self._outputs: AsyncGenerator[tuple[int, Output], None] | None = None
+        self._first: asyncio.Future | None = None
+        self._closed = False
+
+    def admit(self) -> None:
+        """Raises OverloadedError past --max-concurrent-requests."""
+        self._slot.enter_context(self.state.request_slot())
+
+    async def add(self, engine: EngineClient, request_id: str, prompt: PromptType,
+                  params: SamplingParams | BeamSearchParams, cache_salt: str | None) -> EnginePrompt:
+        text, request = await engine.process(request_id, prompt, params, cache_salt)
+        self.prompts.append(EnginePrompt(request_id, text, request))
+        return self.prompts[-1]
+
+    def outputs(self, engine: EngineClient, stream: bool) -> AsyncGenerator[tuple[int, Output], None]:
+        self._outputs = self._run(engine, stream)
+        return self._outputs
+
+    async def _run(self, engine: EngineClient, stream: bool) -> AsyncGenerator[tuple[int, Output], None]:
+        streams = [engine.generate(p.text, p.request, stream) for p in self.prompts]
+        lens = [len(p.token_ids) for p in self.prompts]
+        remaining, reason = len(streams), None
+        async with aclosing(_merge(streams)) as merged:
+            async for i, out in merged:
+                if not self.admitted:
+                    self.admitted = True
+                    self.timer.admitted(sum(lens))
+                self.timer.tokens(num_new_tokens(out, lens[i]))
+                if out.finished:
+                    remaining -= 1
+                    reason = reason or _first_finish_reason(out)
+                    if remaining == 0:
+                        self.finished = True
+                        self.timer.finished(reason or "stop")
+                yield i, out
+
+    async def first_output(self, wait: float) -> asyncio.Future:
+        """Start on the first output and give it ``wait`` seconds: a refusal (a full waiting queue, a failed
+        replica) that comes within them still gets its status code. A request that is queued meanwhile streams on,
+        headers first; its first chunk comes when it is scheduled."""
+        self._first = asyncio.ensure_future(anext(self._outputs))
+        await asyncio.wait((self._first,), timeout=wait)
+        if self._first.done():
+            self._first.result()  # raises the refusal
+        return self._first
+
+    def fail(self, err: OpenAIError) -> None:
+        """An error after the response began (it goes out in the stream)."""
+        self.failed = True
+        self.timer.error(err.grpc_code)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._first is not None and not self._first.done():
+                self._first.cancel()  # it runs the output generator, which cannot be closed while it does
+                await asyncio.gather(self._first, return_exceptions=True)
+            if self._outputs is not None:
+                await self._outputs.aclose()
+        finally:
+            self._slot.close()
+            if self.admitted and not self.finished:
+                self.timer.finished("error" if self.failed else "abort")

@@ -1,0 +1,63 @@
+"""uvicorn serving the HTTP API on the gateway's own event loop (uvloop under ``pagedserve serve``), its socket
+bound when constructed so that a taken port fails the gateway at once, as gRPC's does."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+
+from pagedserve.cluster.server.openai.app import build_app
+from pagedserve.cluster.server.openai.chat_template import load_chat_template
+from pagedserve.cluster.server.state import ServingState
+
+logger = logging.getLogger(__name__)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port} for HTTP: {e}") from None
+    sock.setblocking(False)
+    return sock
+
+
+class HttpServer:
+    def __init__(self, state: ServingState, host: str, port: int, api_key: str | None = None,
+                 ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+                 chat_template: str | None = None) -> None:
+        if bool(ssl_certfile) != bool(ssl_keyfile):
+            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        self.app = build_app(state, api_key, load_chat_template(chat_template))
+        # lifespan off: the gateway owns start-up and shutdown. No access log: a line per request costs the event
+        # loop that streams tokens.
+        self.config = uvicorn.Config(self.app, host=host, port=port, loop="none", http="httptools", ws="none",
+                                     lifespan="off", access_log=False, log_level="warning", ssl_certfile=ssl_certfile,
+                                     ssl_keyfile=ssl_keyfile, timeout_keep_alive=30)
+        self.server = uvicorn.Server(self.config)
+        self.sock = bind(host, port)
+        self.port = self.sock.getsockname()[1]
+        self.scheme = "https" if ssl_certfile else "http"
+        self._ticker: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.config.load()
+        self.server.lifespan = self.config.lifespan_class(self.config)
+        # startup() and main_loop() rather than serve(): serve() would take over SIGINT/SIGTERM, which belong to
+        # the gateway's drain.
+        await self.server.startup(sockets=[self.sock])
+        self._ticker = asyncio.ensure_future(self.server.main_loop())
+
+    async def stop(self, grace: float) -> None:
+        """Close the listener and idle connections; requests still running get ``grace`` seconds, then are
+        cancelled (which aborts their engine requests)."""
+        if self._ticker is None:
+            self.sock.close()
+            return
+        self.server.should_exit = True
+        await self._ticker
+        self.config.timeout_graceful_shutdown = grace
+        await self.server.shutdown(sockets=[self.sock])

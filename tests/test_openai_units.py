@@ -1,0 +1,170 @@
+"""The HTTP API's parts that need no server: chat templates (the bundled demo model's, --chat-template, a model
+without one), the serve flags, logprobs that JSON cannot carry, an error after a stream began, and the app's
+answers before any engine is up (bodies it cannot take, loading); structured-output fields as engine parameters."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+
+import pytest
+
+from pagedserve import __version__
+from pagedserve.cluster.entrypoints.serve import ServeOptions, add_arguments
+from pagedserve.cluster.server.openai.chat_template import ChatTemplate, load_chat_template
+from pagedserve.cluster.server.openai.errors import OpenAIError
+from pagedserve.cluster.server.openai.logprobs import CompletionLogprobsBuilder
+from pagedserve.cluster.server.openai.protocol import ErrorResponse, VersionResponse
+from pagedserve.cluster.server.openai.sse import sse_events
+from pagedserve.config import default_model_dir
+from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.errors import EngineUnavailableError
+from pagedserve.outputs import Logprob
+
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    return load_tokenizer(default_model_dir())
+
+
+def test_demo_model_chat_template(demo_tokenizer):
+    """The bundled model's tokenizer carries its chat template (chat_template.jinja): chat works out of the box."""
+    t = ChatTemplate(demo_tokenizer)
+    assert t.template is not None
+    assert t.render(CHAT) == "# system:\nYou write Python.\n# user:\ndef fib(n):\n# assistant:\n"
+    assert t.render(CHAT, add_generation_prompt=False) == "# system:\nYou write Python.\n# user:\ndef fib(n):\n"
+    cont = t.render([*CHAT, {"role": "assistant", "content": "    if n"}], add_generation_prompt=False,
+                    continue_final_message=True)
+    assert cont.endswith("# assistant:\n    if n")
+
+
+def test_model_without_template(tokenizer_dir, tmp_path):
+    tok = load_tokenizer(tokenizer_dir)
+    with pytest.raises(OpenAIError) as err:
+        ChatTemplate(tok).render(CHAT)
+    assert err.value.status == 400 and "--chat-template" in err.value.message and err.value.param == "messages"
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                    "{% if add_generation_prompt %}<assistant>{% endif %}{{ suffix | default('') }}")
+    t = ChatTemplate(tok, load_chat_template(str(path)))
+    assert t.render(CHAT) == "<system>You write Python.<user>def fib(n):<assistant>"
+    assert t.render(CHAT, kwargs={"suffix": "!"}).endswith("<assistant>!")
+    inline = ChatTemplate(tok, load_chat_template("{{ messages[0]['content'] }}"))
+    assert inline.render(CHAT) == "You write Python."
+    with pytest.raises(ValueError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_template_failures_are_400(demo_tokenizer):
+    t = ChatTemplate(demo_tokenizer, "{{ raise_exception('only user messages') }}")
+    for kw in [dict(), dict(kwargs={"tokenize": True}), dict(continue_final_message=True)]:
+        with pytest.raises(OpenAIError) as err:
+            t.render(CHAT, **kw)
+        assert err.value.status == 400
+    with pytest.raises(OpenAIError, match="only user messages"):
+        t.render(CHAT)
+
+
+def test_serve_flags():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    ns = p.parse_args([])
+    assert ns.http_port == 8000 and ns.port == 50051 and ns.chat_template is None
+    ns = p.parse_args(["--http-port", "0", "--chat-template", "t.jinja"])
+    assert ns.http_port == 0 and ns.chat_template == "t.jinja"
+    assert ServeOptions().http_port == 0  # code that builds its own options opts in
+
+
+def test_logprobs_json_safe():
+    entry = {7: Logprob(-math.inf, 2, "a"), 8: Logprob(-0.5, 1, "b")}
+    lp = CompletionLogprobsBuilder(1, str).build([7], [entry])
+    assert lp.token_logprobs == [-9999.0] and lp.top_logprobs == [{"b": -0.5, "a": -9999.0}]
+    json.loads(lp.model_dump_json())  # no -Infinity
+    body = OpenAIError(429, "full", headers={"Retry-After": "1"}).body()
+    assert ErrorResponse.model_validate_json(body.model_dump_json()).error.type == "rate_limit_error"
+
+
+def test_error_after_streaming_began_is_one_event_then_done():
+    async def chunks():
+        yield [VersionResponse(version="1")]
+        raise EngineUnavailableError("model replica 0 failed")
+
+    async def collect():
+        return [e async for e in sse_events(chunks(), failures.append)]
+
+    failures: list[OpenAIError] = []
+    events = asyncio.run(collect())
+    assert events[0] == b'data: {"version":"1"}\n\n' and events[-1] == b"data: [DONE]\n\n" and len(events) == 3
+    err = json.loads(events[1][len(b"data: "):])["error"]
+    assert err["message"] == "model replica 0 failed" and err["type"] == "service_unavailable_error"
+    assert [f.grpc_code for f in failures] == ["UNAVAILABLE"]
+
+
+def test_app_before_the_engine_is_up(demo_tokenizer, monkeypatch):
+    from starlette.testclient import TestClient
+
+    from pagedserve.cluster.server.metrics import GatewayMetrics
+    from pagedserve.cluster.server.openai import app as app_module
+    from pagedserve.cluster.server.state import ServingState
+
+    monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 1000)
+    state = ServingState(demo_tokenizer, GatewayMetrics("m"), 10)
+    c = TestClient(app_module.build_app(state, api_key="k"), headers={"Authorization": "Bearer k"})
+    json_type = {"content-type": "application/json"}
+
+    def post(body, headers=json_type):
+        return c.post("/v1/completions", content=body, headers=headers)
+
+    for body in [b'{"prompt": "x\\ud800"}', b'{"prompt": "x", "temperature": NaN}', b'{"prompt": ']:
+        r = post(body)  # lone surrogates (no tokenizer can encode them), NaN, broken JSON
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("the body is not valid JSON"), body
+    big = b'{"prompt": "' + b"x" * 2000 + b'"}'
+    assert post(big).status_code == 413
+    assert post(iter([big[:600], big[600:]])).status_code == 413  # no content-length: counted as it comes
+    assert post(b'{"prompt": "x"}').json()["error"]["message"] == "the model is still loading"
+    assert post(b'{"prompt": "x"}').status_code == 503
+    assert c.get("/health").status_code == 503 and c.get("/v1/models").status_code == 503
+    assert c.get("/v1/models", headers={"Authorization": "Bearer no"}).status_code == 401  # the key comes first
+    assert c.delete("/v1/completions").status_code == 405 and "error" in c.delete("/v1/completions").json()
+    assert c.get("/version").json() == {"version": __version__}
+    errors = "".join(line for line in c.get("/metrics").text.splitlines()
+                     if line.startswith("pagedserve_request_errors_total") and 'protocol="http"' in line)
+    assert 'code="INVALID_ARGUMENT",model_name="m",protocol="http"} 3.0' in errors
+    assert 'code="UNAVAILABLE",model_name="m",protocol="http"} 2.0' in errors
+    assert 'code="RESOURCE_EXHAUSTED",model_name="m",protocol="http"} 2.0' in errors  # 413, as gRPC counts it
+
+
+def test_structured_outputs_and_response_format_reach_sampling_params():
+    from pagedserve.cluster.server.openai.chat_protocol import ChatCompletionRequest
+    from pagedserve.cluster.server.openai.completion_protocol import CompletionRequest
+    from pagedserve.cluster.server.openai.sampling import build_params
+
+    def params(cls, **kw):
+        return build_params(cls.model_validate(kw), 8, None)
+
+    so = params(CompletionRequest, prompt="x", structured_outputs={"choice": ["yes", "no"]}).structured_outputs
+    assert so.choice == ["yes", "no"] and so.kind == "choice"
+    so = params(CompletionRequest, prompt="x", structured_outputs={"json": {"type": "object"}}).structured_outputs
+    assert so.json == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    so = params(ChatCompletionRequest, messages=[], response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}).structured_outputs
+    assert so.json == schema
+    assert params(ChatCompletionRequest, messages=[], response_format={"type": "json_object"}).structured_outputs \
+        .json_object is True
+    assert params(ChatCompletionRequest, messages=[], response_format={"type": "text"}).structured_outputs is None
+    for cls, kw, param in [
+            (CompletionRequest, dict(prompt="x", structured_outputs={}), "structured_outputs"),
+            (CompletionRequest, dict(prompt="x", structured_outputs={"regex": "a", "choice": ["a"]}),
+             "structured_outputs"),
+            (ChatCompletionRequest, dict(messages=[], response_format={"type": "json_schema"}), "response_format"),
+            (CompletionRequest, dict(prompt="x", structured_outputs={"regex": "a"},
+                                     response_format={"type": "json_object"}), "response_format"),
+            (CompletionRequest, dict(prompt="x", use_beam_search=True, structured_outputs={"regex": "a"}),
+             "use_beam_search")]:
+        with pytest.raises(OpenAIError) as err:
+            params(cls, **kw)
+        assert err.value.status == 400 and err.value.param == param, kw
