@@ -1,13 +1,18 @@
 """Resolved engine configuration (``EngineArgs.create_engine_config`` makes it; every layer reads it)."""
 from __future__ import annotations
 
+import functools
 import glob
 import json
+import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, GenerationConfig
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
@@ -73,16 +78,69 @@ class ModelConfig:
 
 def _resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        if device.type == "cpu":
-            # Half-precision matmuls are ~100x slower than fp32 on CPUs without AMX.
-            return torch.float32
         cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(cfg, str):
             cfg = _DTYPES.get(cfg)
+        if device.type == "cpu":
+            return cpu_auto_dtype(cfg if isinstance(cfg, torch.dtype) else torch.float32)
         return cfg if cfg in (torch.float16, torch.bfloat16) else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+# CPU flags with which oneDNN runs the dtype's matmuls natively (AMX tiles, or AVX-512 dot-product instructions).
+FAST_CPU_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def matmul_speedup(dtype: torch.dtype, n: int = 256, repeat: int = 3) -> float:
+    """How many times faster an n x n matmul runs in ``dtype`` than in fp32 here (best of ``repeat``)."""
+    pairs = {dt: (torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)) for dt in (torch.float32, dtype)}
+    for a, b in pairs.values():  # first calls pay for library set-up
+        a @ b
+    best = {}
+    for dt, (a, b) in pairs.items():
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t)
+        best[dt] = min(times)
+    return best[torch.float32] / best[dtype]
+
+
+def choose_cpu_dtype(checkpoint: torch.dtype, flags: set[str], speedup=matmul_speedup) -> tuple[torch.dtype, str]:
+    """The checkpoint's half dtype where this CPU has the instructions for it and a matmul probe confirms they
+    beat fp32; fp32 otherwise. ``speedup(dtype)`` is only called when the flags are there."""
+    if checkpoint not in FAST_CPU_FLAGS:
+        return torch.float32, f"the checkpoint is {checkpoint}"
+    have = sorted(f for f in FAST_CPU_FLAGS[checkpoint] if f in flags)
+    if not have:
+        return torch.float32, (f"this CPU has none of {'/'.join(FAST_CPU_FLAGS[checkpoint])} for {checkpoint} "
+                               "matmuls (they would be emulated, many times slower than fp32)")
+    ratio = speedup(checkpoint)
+    if ratio < 1.0:
+        return torch.float32, f"the CPU has {'/'.join(have)} but a {checkpoint} matmul measured {ratio:.2f}x fp32"
+    return checkpoint, f"the CPU has {'/'.join(have)}; a {checkpoint} matmul measured {ratio:.2f}x fp32"
+
+
+@functools.cache
+def cpu_auto_dtype(checkpoint: torch.dtype) -> torch.dtype:
+    """``dtype="auto"`` on CPU, decided (and logged) once per process and checkpoint dtype."""
+    dtype, why = choose_cpu_dtype(checkpoint, cpu_flags())
+    logger.info("dtype auto on CPU: %s (%s); --dtype overrides", str(dtype).removeprefix("torch."), why)
+    return dtype
 
 
 def _derive_max_model_len(hf_config) -> int:

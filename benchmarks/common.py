@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -25,24 +26,39 @@ REFERENCE_MODELS = {
 
 
 def reference_model(name: str) -> str:
-    """Build (once) a random-weight reference model dir with transformers and return its path."""
+    """Build (once) a random-weight reference model dir with transformers and return its path. Weights are saved
+    in bf16, as real checkpoints are; a dir saved in another dtype is rebuilt (into a new dir, then swapped in)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = os.path.join(MODELS, name)
-    if os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(
-            os.path.join(path, "model.safetensors.index.json")):
+    if _saved_dtype(path) == "bfloat16":
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):  # a dir built before tokenizers were added
             word_tokenizer(REFERENCE_MODELS[name]["vocab_size"]).save_pretrained(path)
         return path
     torch.manual_seed(0)
     config = LlamaConfig(**REFERENCE_MODELS[name], max_position_embeddings=4096, tie_word_embeddings=False,
                          architectures=["LlamaForCausalLM"])
-    big = name.endswith("7b-shape")  # build on the GPU, store bf16 (13 GB instead of 27)
+    big = name.endswith("7b-shape")  # build on the GPU
     with torch.device("cuda" if big and torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config)
-    (model.to(torch.bfloat16) if big else model).save_pretrained(path, safe_serialization=True)
-    word_tokenizer(config.vocab_size).save_pretrained(path)
+    tmp = f"{path}.building-{os.getpid()}"
+    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    word_tokenizer(config.vocab_size).save_pretrained(tmp)
+    if os.path.isdir(path):  # processes still reading the old files keep them open until they finish
+        shutil.rmtree(path)
+    os.rename(tmp, path)
     return path
+
+
+def _saved_dtype(path: str) -> str | None:
+    """The dtype a model dir's weights were saved in (None when there is no complete dir)."""
+    has_weights = os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(
+        os.path.join(path, "model.safetensors.index.json"))
+    if not has_weights or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg.get("dtype") or cfg.get("torch_dtype")
 
 
 def word_tokenizer(vocab_size: int):

@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from pagedserve.kernels import cpu_attention
+from pagedserve.kernels import cpu_extension
 
 BACKENDS = {
     "torch": "pagedserve.kernels.torch_ref",
     "triton": "pagedserve.kernels.triton_ops",
-    "cpu": "pagedserve.kernels.cpu_ops",  # torch ops + a C++ decode-attention kernel
+    "cpu": "pagedserve.kernels.cpu_ops",  # C++ attention and KV writes (fp32, bf16), torch ops for the rest
 }
 
 
@@ -25,6 +25,6 @@ def get_backend(name: str) -> ModuleType:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; choose one of {sorted(BACKENDS)}")
     if name == "cpu":
-        if cpu_attention.load() is None:  # no compiler here: same semantics, pure torch
+        if cpu_extension.load() is None:  # no compiler here: same semantics, pure torch
             name = "torch"
     return importlib.import_module(BACKENDS[name])

@@ -1,111 +1,261 @@
-"""A C++ paged decode-attention kernel for CPUs, built on first use with torch's extension loader.
+"""Paged attention for CPUs in C++: decodes and prefill chunks of one step in one call, fp32 or bf16.
 
-Decode rows (one query token per sequence) dominate serving; the torch reference has to gather each
-sequence's blocks into a contiguous copy before attending, tripling memory traffic. This kernel reads
-K and V rows in place through the block table: one task per (sequence, KV head) on torch's intra-op
-thread pool, all query heads of a GQA group scored against each K row while it is in cache.
+The torch reference gathers each sequence's blocks into a contiguous copy and runs one SDPA per prefill chunk
+from Python; this kernel reads K and V rows in place through the block table and takes the whole packed batch at
+once. Work items are a decode row (all heads) or a tile of up to 32 prefill rows for one KV head (its GQA group
+scored against each K row while it is in cache); items are split between torch's threads by their cost (rows x
+keys). Queries, scores, softmax and the output accumulator are fp32 whatever the storage dtype (bf16 is widened
+on load, the output rounded to nearest even once).
 """
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
-logger = logging.getLogger(__name__)
+from pagedserve.kernels import cpu_extension
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <vector>
+SOURCE = r"""
+namespace ps {
 
-void paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                            torch::Tensor out) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat, "float32 only");
-  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous());
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt);
-  const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
-  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
-  const float* q = query.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
-  const int32_t* bt = block_tables.contiguous().data_ptr<int32_t>();
-  const int32_t* sl = seq_lens.contiguous().data_ptr<int32_t>();
-  float* o = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  // One task per sequence, walking whole token rows (all heads, contiguous) so reads stream.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(Hq * D);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t L = sl[b];
-      const int32_t* table = bt + b * max_blocks;
-      const float* qb = q + b * Hq * D;
-      scores.resize(Hq * L);  // [Hq, L]
-      for (int64_t t = 0; t < L; ++t) {
-        const float* row = kc + table[t / bs] * blk_stride + (t % bs) * tok_stride;
-        for (int64_t hq = 0; hq < Hq; ++hq) {
-          const float* kp = row + (hq / G) * D;
-          const float* qh = qb + hq * D;
-          float s = 0.f;
-          #pragma omp simd reduction(+:s)
-          for (int64_t d = 0; d < D; ++d) s += qh[d] * kp[d];
-          scores[hq * L + t] = s * fscale;
-        }
+struct AttnShape {
+  int64_t Hq, Hkv, G, D, bs, tok_stride, blk_stride, q_stride, o_stride, max_blocks;
+  float scale;
+};
+
+struct AttnItem {
+  int64_t seq, first_token, ctx0;  // ctx0: position of the sequence's first query row this step
+  int64_t r0, r1, h0, h1;          // query rows [r0, r1) of the sequence, KV heads [h0, h1)
+  double cost;
+};
+
+// Keys go in chunks of 8: eight dot products share each query load and end in one transposing reduction; the
+// value pass adds eight weighted rows per load and store of the accumulator.
+constexpr int kChunk = 8;
+
+// out[j] = sum_d q[d] * k[j][d] for the 8 rows k[0..7].
+template <typename T>
+inline void dot8(const float* q, const T* const* k, int64_t D, float* out) {
+  f32x8 a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
+  for (int64_t d = 0; d < D; d += 8) {
+    const f32x8 qv = load8(q + d);
+    a0 += qv * load8(k[0] + d); a1 += qv * load8(k[1] + d); a2 += qv * load8(k[2] + d); a3 += qv * load8(k[3] + d);
+    a4 += qv * load8(k[4] + d); a5 += qv * load8(k[5] + d); a6 += qv * load8(k[6] + d); a7 += qv * load8(k[7] + d);
+  }
+  store8(out, transpose_sum(a0, a1, a2, a3, a4, a5, a6, a7));
+}
+
+// acc[d] += sum_j p[j] * v[j][d] for the 8 rows v[0..7].
+template <typename T>
+inline void axpy8(float* acc, const float* p, const T* const* v, int64_t D) {
+  const f32x8 p0 = splat(p[0]), p1 = splat(p[1]), p2 = splat(p[2]), p3 = splat(p[3]);
+  const f32x8 p4 = splat(p[4]), p5 = splat(p[5]), p6 = splat(p[6]), p7 = splat(p[7]);
+  for (int64_t d = 0; d < D; d += 8) {
+    f32x8 a = load8(acc + d);
+    a += p0 * load8(v[0] + d); a += p1 * load8(v[1] + d); a += p2 * load8(v[2] + d); a += p3 * load8(v[3] + d);
+    a += p4 * load8(v[4] + d); a += p5 * load8(v[5] + d); a += p6 * load8(v[6] + d); a += p7 * load8(v[7] + d);
+    store8(acc + d, a);
+  }
+}
+
+// exp(s - max) in place over s[0:n]; returns 1 / their sum (the normalization is applied to the output).
+inline float softmax_unnormalized(float* s, int64_t n) {
+  f32x8 mv = splat(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) { f32x8 x = load8(s + t); mv = x > mv ? x : mv; }
+  float m = hmax(mv);
+  for (; t < n; ++t) m = std::max(m, s[t]);
+  f32x8 sv = {};
+  t = 0;
+  for (; t + 8 <= n; t += 8) { f32x8 e = exp8(load8(s + t) - m); store8(s + t, e); sv += e; }
+  float sum = hsum(sv);
+  if (t < n) {  // tail: through a padded lane buffer
+    float buf[8];
+    for (int i = 0; i < 8; ++i) buf[i] = t + i < n ? s[t + i] - m : -87.f;
+    f32x8 e = exp8(load8(buf));
+    for (int64_t i = 0; t + i < n; ++i) { s[t + i] = e[i]; sum += e[i]; }
+  }
+  return 1.f / sum;
+}
+
+// Rows are prefetched one chunk ahead: blocks sit at random places in the pool, so the hardware prefetcher loses
+// the stream at every block edge.
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int64_t bytes) {
+  for (int j = 0; j < kChunk; ++j)
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 0);
+}
+
+// Pointers to the cache rows (token start, head 0) of keys t0 .. t0 + 7; keys past L point at a zero row.
+template <typename T>
+inline void chunk_rows(const T* cache, const int32_t* table, int64_t t0, int64_t L, const AttnShape& sh,
+                       const T* zero, const T** rows) {
+  for (int j = 0; j < kChunk; ++j) {
+    const int64_t t = t0 + j;
+    rows[j] = t < L ? cache + table[t / sh.bs] * sh.blk_stride + (t % sh.bs) * sh.tok_stride : zero;
+  }
+}
+
+template <typename T>
+void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* table, const AttnItem& it,
+                 const AttnShape& sh) {
+  thread_local std::vector<float> qf, S, acc, inv;
+  thread_local std::vector<T> zero;
+  const int64_t nr = it.r1 - it.r0, nh = it.h1 - it.h0, G = sh.G, D = sh.D;
+  const int64_t nq = nr * nh * G;               // query vectors, ordered (row, KV head, group member)
+  const int64_t L = it.ctx0 + it.r1;            // keys the tile's last row attends to
+  const int64_t Lp = (L + kChunk - 1) / kChunk * kChunk;
+  qf.resize(nq * D);
+  S.resize(nq * Lp);
+  acc.assign(nq * D, 0.f);
+  inv.resize(nq);
+  if (int64_t(zero.size()) < sh.tok_stride) zero.assign(sh.tok_stride, T(0));
+  const int64_t row0 = it.first_token + it.r0;
+  for (int64_t i = 0; i < nr; ++i)
+    for (int64_t hh = 0; hh < nh; ++hh)
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = q + (row0 + i) * sh.q_stride + ((it.h0 + hh) * G + g) * D;
+        float* dst = qf.data() + ((i * nh + hh) * G + g) * D;
+        for (int64_t d = 0; d < D; d += 8) store8(dst + d, load8(src + d) * sh.scale);
       }
-      for (int64_t hq = 0; hq < Hq; ++hq) {
-        float* sh = scores.data() + hq * L;
-        const float m = *std::max_element(sh, sh + L);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) { sh[t] = std::exp(sh[t] - m); sum += sh[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
+  // Row i (position ctx0 + r0 + i) sees keys 0 .. lag + i: a chunk starting at t0 matters to rows i >= t0 - lag.
+  const int64_t lag = it.ctx0 + it.r0;
+  const int64_t head_bytes = nh * D * int64_t(sizeof(T));
+  const T* rows[kChunk];
+  const T* next[kChunk];
+  const T* hr[kChunk];
+  chunk_rows(kc, table, 0, L, sh, zero.data(), rows);
+  for (int64_t t0 = 0; t0 < L; t0 += kChunk) {
+    chunk_rows(kc, table, t0 + kChunk, L, sh, zero.data(), next);
+    prefetch_rows(next, head_bytes);
+    for (int64_t i = std::max<int64_t>(0, t0 - lag); i < nr; ++i)
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        for (int j = 0; j < kChunk; ++j) hr[j] = rows[j] + (it.h0 + hh) * D;
+        const int64_t base = (i * nh + hh) * G;
+        for (int64_t g = 0; g < G; ++g) dot8(qf.data() + (base + g) * D, hr, D, S.data() + (base + g) * Lp + t0);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const float* row = vc + table[t / bs] * blk_stride + (t % bs) * tok_stride;
-        for (int64_t hq = 0; hq < Hq; ++hq) {
-          const float p = scores[hq * L + t];
-          const float* vp = row + (hq / G) * D;
-          float* ah = acc.data() + hq * D;
-          #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ah[d] += p * vp[d];
-        }
-      }
-      std::copy(acc.begin(), acc.end(), o + b * Hq * D);
+    std::copy(next, next + kChunk, rows);
+  }
+  for (int64_t i = 0; i < nr; ++i)
+    for (int64_t j = 0; j < nh * G; ++j) {
+      const int64_t qi = i * nh * G + j, n = lag + i + 1;
+      inv[qi] = softmax_unnormalized(S.data() + qi * Lp, n);
+      std::fill(S.data() + qi * Lp + n, S.data() + (qi + 1) * Lp, 0.f);  // keys past the row's position
     }
+  chunk_rows(vc, table, 0, L, sh, zero.data(), rows);
+  for (int64_t t0 = 0; t0 < L; t0 += kChunk) {
+    chunk_rows(vc, table, t0 + kChunk, L, sh, zero.data(), next);
+    prefetch_rows(next, head_bytes);
+    for (int64_t i = std::max<int64_t>(0, t0 - lag); i < nr; ++i)
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        for (int j = 0; j < kChunk; ++j) hr[j] = rows[j] + (it.h0 + hh) * D;
+        const int64_t base = (i * nh + hh) * G;
+        for (int64_t g = 0; g < G; ++g)
+          axpy8(acc.data() + (base + g) * D, S.data() + (base + g) * Lp + t0, hr, D);
+      }
+    std::copy(next, next + kChunk, rows);
+  }
+  for (int64_t i = 0; i < nr; ++i)
+    for (int64_t hh = 0; hh < nh; ++hh)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t qi = (i * nh + hh) * G + g;
+        T* dst = out + (row0 + i) * sh.o_stride + ((it.h0 + hh) * G + g) * D;
+        const float* a = acc.data() + qi * D;
+        const f32x8 w = splat(inv[qi]);
+        for (int64_t d = 0; d < D; d += 8) store8(dst + d, load8(a + d) * w);
+      }
+}
+
+constexpr int64_t kTileRows = 32;
+
+std::vector<AttnItem> plan(const int32_t* qsl, const int32_t* sl, int64_t B, const AttnShape& sh) {
+  std::vector<AttnItem> items;
+  items.reserve(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = qsl[b], n = qsl[b + 1] - qsl[b], ctx0 = sl[b] - n;
+    if (n <= 0) continue;
+    if (n == 1) {
+      items.push_back({b, first, ctx0, 0, 1, 0, sh.Hkv, double(sl[b]) * sh.Hq});
+      continue;
+    }
+    for (int64_t r0 = 0; r0 < n; r0 += kTileRows) {
+      const int64_t r1 = std::min(n, r0 + kTileRows);
+      const double keys = double(r1 - r0) * (ctx0 + (r0 + r1 + 1) / 2.0);
+      for (int64_t h = 0; h < sh.Hkv; ++h) items.push_back({b, first, ctx0, r0, r1, h, h + 1, keys * sh.G});
+    }
+  }
+  return items;
+}
+
+void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                     torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale, torch::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && out.dim() == 3);
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+              out.scalar_type() == query.scalar_type(), "query, caches and out must share one dtype");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be [heads, head_size]");
+  TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be [heads, head_size]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes());
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt && block_tables.is_contiguous());
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt);
+  AttnShape sh;
+  sh.Hq = query.size(1); sh.D = query.size(2); sh.bs = k_cache.size(1); sh.Hkv = k_cache.size(2);
+  TORCH_CHECK(sh.D % 8 == 0 && k_cache.size(3) == sh.D && sh.Hq % sh.Hkv == 0);
+  sh.G = sh.Hq / sh.Hkv;
+  sh.tok_stride = sh.Hkv * sh.D; sh.blk_stride = sh.bs * sh.tok_stride;
+  sh.q_stride = query.stride(0); sh.o_stride = out.stride(0);
+  sh.max_blocks = block_tables.size(1);
+  sh.scale = float(scale);
+  const int64_t B = seq_lens.size(0);
+  auto qsl_c = query_start_loc.contiguous();
+  auto sl_c = seq_lens.contiguous();
+  const int32_t* qsl = qsl_c.data_ptr<int32_t>();
+  const int32_t* sl = sl_c.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const std::vector<AttnItem> items = plan(qsl, sl, B, sh);
+  if (items.empty()) return;
+  std::vector<double> cum(items.size() + 1, 0.0);
+  for (size_t i = 0; i < items.size(); ++i) cum[i + 1] = cum[i] + items[i].cost;
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), items.size());
+  PS_DISPATCH(query.scalar_type(), [&] {
+    const scalar* q = ptr<scalar>(query);
+    const scalar* kc = ptr<scalar>(k_cache);
+    const scalar* vc = ptr<scalar>(v_cache);
+    scalar* o = mut_ptr<scalar>(out);
+    // Part p takes the items whose cost midpoint falls in its equal share of the total.
+    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const double lo = cum.back() * p / parts, hi = cum.back() * (p + 1) / parts;
+        for (size_t i = 0; i < items.size(); ++i) {
+          const double mid = 0.5 * (cum[i] + cum[i + 1]);
+          if (mid < lo || mid >= hi) continue;
+          attend_item(q, kc, vc, o, bt + items[i].seq * sh.max_blocks, items[i], sh);
+        }
+      }
+    });
   });
 }
+
+}  // namespace ps
 """
 
-_module = None
-_failed = False
+FUNCTIONS = {"paged_attention": "ps::paged_attention"}
 
 
-def load():
-    """The compiled extension, or None where no compiler is available (callers fall back to torch)."""
-    global _module, _failed
-    if _module is None and not _failed:
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            _module = load_inline(
-                name="pagedserve_cpu_attention", cpp_sources=[_SOURCE], functions=["paged_decode_attention"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                verbose=bool(os.environ.get("PAGEDSERVE_VERBOSE_BUILD")))
-        except Exception as e:  # a missing compiler or ninja: the torch path still works
-            _failed = True
-            logger.warning("CPU attention kernel unavailable (%s); using the torch reference", e)
-    return _module
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors (else the caller uses the torch reference)."""
+    return (query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.dtype == query.dtype and query.shape[-1] % 8 == 0 and query.stride(-1) == 1
+            and cpu_extension.load() is not None)
 
 
-def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    out = torch.empty_like(query)
-    load().paged_decode_attention(query.contiguous(), k_cache, v_cache, block_tables.to(torch.int32),
-                                  seq_lens.to(torch.int32), scale, out)
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same arguments and result as :func:`pagedserve.kernels.torch_ref.paged_attention`."""
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    cpu_extension.load().paged_attention(query, k_cache, v_cache, _int32(block_tables), _int32(query_start_loc),
+                                         _int32(seq_lens), scale, out)
     return out
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()

@@ -1,18 +1,21 @@
-"""CPU backend: the torch reference ops, with decode rows in the C++ kernel of ``cpu_attention``."""
+"""CPU backend: the C++ kernels of ``cpu_attention`` / ``cpu_fused`` for fp32 and bf16, torch reference ops else."""
 from __future__ import annotations
 
-import torch
-
-from pagedserve.kernels import cpu_attention, torch_ref
-from pagedserve.kernels.torch_ref import copy_blocks, reshape_and_cache, swap_blocks  # noqa: F401
+from pagedserve.kernels import cpu_attention, cpu_fused, torch_ref
+from pagedserve.kernels.torch_ref import copy_blocks, swap_blocks  # noqa: F401
 
 
-def _decode(query, k_cache, v_cache, block_tables, seq_lens, scale):
-    if query.dtype != torch.float32 or k_cache.dtype != torch.float32:
-        return torch_ref._decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
-    return cpu_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
+    if key.dtype == k_cache.dtype and cpu_fused.usable(key, value, k_cache) and key.stride(1) == key.shape[2] \
+            and value.stride(1) == value.shape[2]:
+        return cpu_fused.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping.long())
+    return torch_ref.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None):
-    return torch_ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                     out, decode_fn=_decode)
+    if cpu_attention.supports(query, k_cache):
+        if query.stride(1) != query.shape[2]:
+            query = query.contiguous()
+        return cpu_attention.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                             scale, out)
+    return torch_ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)

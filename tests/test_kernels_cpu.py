@@ -1,52 +1,175 @@
-"""The C++ CPU decode-attention kernel against the torch reference."""
+"""The C++ CPU kernels against the torch reference: attention (decodes and prefill chunks, fp32 and bf16), fused
+RMSNorm / SiLU-and-mul / rotary / KV writes, and oneDNN-packed linears. bf16 results are checked against the
+reference computed in fp32 from the same bf16 inputs, with bf16 tolerances."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from pagedserve.kernels import cpu_attention, get_backend, torch_ref
+from pagedserve.kernels import cpu_attention, cpu_extension, cpu_fused, get_backend, torch_ref
+from pagedserve.worker.layers.cpu_linear import linear, pack_linears
+from pagedserve.worker.layers.layernorm import RMSNorm
+from pagedserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedserve.worker.layers.rotary import RotaryEmbedding
+
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)  # a few bf16 ulps (2^-8 relative) on values of order 1
+FP32_TOL = dict(atol=2e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    if cpu_attention.load() is None:
-        pytest.fail("the CPU attention kernel did not build (is a C++ compiler installed?)")
+    if cpu_extension.load() is None:
+        pytest.fail("the CPU kernels did not build (is a C++ compiler installed?)")
 
 
-@pytest.mark.parametrize("gqa", [1, 2, 4])
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("head_size", [64, 80, 128])
-def test_decode_matches_reference(gqa, block_size, head_size):
-    g = torch.Generator().manual_seed(gqa * 1000 + block_size + head_size)
-    hkv = 2
-    lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size, 77]
-    blocks = sum(-(-n // block_size) for n in lens) + 3
-    k = torch.randn(blocks, block_size, hkv, head_size, generator=g)
-    v = torch.randn(blocks, block_size, hkv, head_size, generator=g)
+def paged_case(q_lens, ctx_lens, gqa, block_size, head_size, dtype, seed, hkv=2):
+    """A packed batch over a shuffled block pool: sequence b has ctx_lens[b] cached tokens and q_lens[b] new ones."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    k = torch.randn(blocks, block_size, hkv, head_size, generator=g).to(dtype)
+    v = torch.randn(blocks, block_size, hkv, head_size, generator=g).to(dtype)
     perm = torch.randperm(blocks, generator=g)
-    table = torch.zeros(len(lens), max(-(-n // block_size) for n in lens), dtype=torch.int32)
+    table = torch.zeros(len(seq_lens), max(-(-n // block_size) for n in seq_lens), dtype=torch.int32)
     used = 0
-    for i, n in enumerate(lens):
+    for i, n in enumerate(seq_lens):
         nb = -(-n // block_size)
         table[i, :nb] = perm[used: used + nb]
         used += nb
-    q = torch.randn(len(lens), hkv * gqa, head_size, generator=g)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    ref = torch_ref._decode_attention(q, k, v, table, seq_lens, 0.125)
-    got = cpu_attention.paged_decode_attention(q, k, v, table, seq_lens, 0.125)
-    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+    q = torch.randn(sum(q_lens), hkv * gqa, head_size, generator=g).to(dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, table, qsl, torch.tensor(seq_lens, dtype=torch.int32), head_size**-0.5
 
 
-def test_cpu_backend_mixed_batch_matches_reference():
-    """Prefill chunks go through the shared reference path, decodes through the kernel."""
-    g = torch.Generator().manual_seed(7)
-    k = torch.randn(12, 16, 2, 64, generator=g)
-    v = torch.randn(12, 16, 2, 64, generator=g)
-    table = torch.tensor([[3, 1, 7], [0, 2, 0], [5, 9, 11]], dtype=torch.int32)
-    q_lens, seq_lens = [1, 20, 1], [40, 20, 33]
-    qsl = torch.tensor([0, 1, 21, 22], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), 4, 64, generator=g)
-    args = (q, k, v, table, qsl, torch.tensor(seq_lens, dtype=torch.int32), 0.125)
+def reference_fp32(q, k, v, table, qsl, seq_lens, scale):
+    return torch_ref.paged_attention(q.float(), k.float(), v.float(), table, qsl, seq_lens, scale)
+
+
+# Decodes at block edges, a fresh prefill, chunks after a cached prefix, one longer than a 32-row tile.
+Q_LENS = [1, 1, 1, 1, 7, 20, 1, 45, 1]
+CTX_LENS = [0, 15, 16, 47, 0, 33, 76, 9, 200]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gqa", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+def test_attention_matches_reference(dtype, gqa, block_size, head_size):
+    case = paged_case(Q_LENS, CTX_LENS, gqa, block_size, head_size, dtype, seed=gqa * 1000 + block_size + head_size)
+    got = cpu_attention.paged_attention(*case)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), reference_fp32(*case), **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_reads_strided_queries(dtype):
+    """Queries as a column slice of a fused QKV output: rows strided, heads packed."""
+    q, k, v, table, qsl, seq_lens, scale = paged_case([3, 1, 12], [5, 30, 0], 2, 16, 64, dtype, seed=3)
+    qkv = torch.randn(q.shape[0], q.shape[1] * 64 + 2 * 2 * 64).to(dtype)
+    qkv[:, : q.shape[1] * 64] = q.reshape(q.shape[0], -1)
+    view = qkv[:, : q.shape[1] * 64].view(-1, q.shape[1], 64)
+    assert not view.is_contiguous()
+    got = cpu_attention.paged_attention(view, k, v, table, qsl, seq_lens, scale)
+    torch.testing.assert_close(got.float(), reference_fp32(q, k, v, table, qsl, seq_lens, scale),
+                               **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
+
+
+def test_backend_routes_by_dtype():
+    """fp32 and bf16 through the kernel; fp16 (not in the kernel) through the torch reference, same result."""
     backend = get_backend("cpu")
     assert backend.__name__.endswith("cpu_ops")
-    torch.testing.assert_close(backend.paged_attention(*args), torch_ref.paged_attention(*args), atol=2e-5, rtol=1e-5)
+    for dtype, tol in ((torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL), (torch.float16, dict(atol=4e-3,
+                                                                                                  rtol=4e-3))):
+        case = paged_case([1, 20, 1], [39, 0, 32], 2, 16, 64, dtype, seed=7)
+        got = backend.paged_attention(*case)
+        torch.testing.assert_close(got.float(), reference_fp32(*case), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_skips_padding_and_reads_strided_rows(dtype):
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(6, 2 * 2 * 64, generator=g).to(dtype)
+    key, value = kv[:, :128].view(6, 2, 64), kv[:, 128:].view(6, 2, 64)
+    slots = torch.tensor([5, -1, 17, 0, -1, 31])
+    caches = [torch.zeros(2, 16, 2, 64, dtype=dtype) for _ in range(4)]
+    get_backend("cpu").reshape_and_cache(key, value, caches[0], caches[1], slots)
+    torch_ref.reshape_and_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]) and caches[0].any()
+
+
+def _rms_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fused_residual(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, res = torch.randn(37, 96, generator=g).to(dtype), torch.randn(37, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(cpu_fused.rms_norm(x, w, 1e-6).float(), _rms_reference(x, w, 1e-6), **tol)
+    total = x.float() + res.float()
+    xx, rr = x.clone(), res.clone()
+    cpu_fused.fused_add_rms_norm(xx, rr, w, 1e-6)
+    torch.testing.assert_close(rr.float(), total, **tol)
+    torch.testing.assert_close(xx.float(), _rms_reference(total, w, 1e-6), **tol)
+
+
+def test_rms_norm_layer_fp32_is_the_torch_path():
+    """The layer's C++ path and its torch path agree to fp32 rounding, with and without a residual."""
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = torch.randn(64)
+    x, res = torch.randn(9, 64), torch.randn(9, 64)
+    torch.testing.assert_close(norm(x), norm._norm(x), **FP32_TOL)
+    want_res = x + res
+    got, got_res = norm(x.clone(), res.clone())
+    torch.testing.assert_close(got_res, want_res, **FP32_TOL)
+    torch.testing.assert_close(got, norm._norm(want_res), **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    x = (4 * torch.randn(23, 2 * 200, generator=torch.Generator().manual_seed(2))).to(dtype)
+    x[0, :8] = torch.tensor([-100.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 100.0, 3.0]).to(dtype)  # exp's clamped range
+    want = F.silu(x.float()[:, :200]) * x.float()[:, 200:]
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(cpu_fused.silu_and_mul(x).float(), want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [64, 16, 4])
+def test_rotary_in_place_on_strided_heads(dtype, rotary_dim):
+    """GPT-NeoX hands q and k as strided views of a per-head [q, k, v] buffer; partial rotary leaves the rest."""
+    rope = RotaryEmbedding(64, rotary_dim, 512, 10000.0)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(11, 4, 3, 64, generator=g).to(dtype)
+    positions = torch.randint(0, 512, (11,), generator=g)
+    want_q, want_k = rope._rotate(qkv[:, :, 0].float(), rope.cos[positions].unsqueeze(1),
+                                  rope.sin[positions].unsqueeze(1)), \
+        rope._rotate(qkv[:, :, 1].float(), rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1))
+    v_before = qkv[:, :, 2].clone()
+    q, k = rope(positions, qkv[:, :, 0], qkv[:, :, 1])
+    assert q.data_ptr() == qkv.data_ptr()  # in place
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(q.float(), want_q, **tol)
+    torch.testing.assert_close(k.float(), want_k, **tol)
+    assert torch.equal(qkv[:, :, 2], v_before)
+
+
+def test_packed_linears_match_f_linear_and_skip_tied_weights():
+    col, row = ColumnParallelLinear(64, 96, bias=True), RowParallelLinear(96, 64, bias=True)
+    model = nn.ModuleList([col, row])
+    for p in model.parameters():
+        p.data = torch.randn(p.shape)
+    x = torch.randn(5, 64)
+    want = F.linear(F.linear(x, col.weight, col.bias), row.weight) + row.bias
+    tied = ColumnParallelLinear(64, 96, bias=False)
+    tied.weight = col.weight  # shared with col: neither may drop it
+    model.append(tied)
+    assert pack_linears(model) == 1  # row only; col and tied share one weight
+    assert row.weight.numel() == 0 and row.packed_weight is not None and col.weight.numel() == 96 * 64
+    torch.testing.assert_close(row(col(x)), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(linear(tied, x, None), F.linear(x, col.weight), atol=0, rtol=0)

@@ -13,6 +13,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
 from pagedserve.worker.layers.attention import Attention
+from pagedserve.worker.layers.cpu_linear import pack_linears
 from pagedserve.worker.models.loader import load_model
 from pagedserve.worker.sampler import SamplingMetadata, sample
 
@@ -46,6 +47,8 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache_config.block_size
         self.model = load_model(config.model_config, device)
+        if device.type == "cpu":
+            pack_linears(self.model)
         self.backend = get_backend(config.attention_backend)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.states: dict[int, SeqState] = {}

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.worker.layers.cpu_linear import linear
 from pagedserve.worker.models.weights import as_lazy
 from pagedserve.worker.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 
@@ -40,6 +41,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits from a vocab-sharded weight, gathered on every rank and trimmed to the real vocab."""
 
+    packable = True
+
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.bias = None
@@ -51,5 +54,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = linear(self, hidden_states, self.bias)
         return all_gather_last_dim(logits)[..., : self.num_embeddings]

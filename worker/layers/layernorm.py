@@ -3,9 +3,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.kernels import cpu_fused
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an optional fused residual add: ``norm(x + residual)`` and the new residual."""
+    """RMSNorm with an optional fused residual add: ``norm(x + residual)`` and the new residual.
+
+    On CPU (fp32, bf16) one C++ pass does both; with a residual it works in place: ``residual`` becomes
+    ``x + residual`` and ``x`` its normalized copy (the decoder layers hand over buffers they no longer read).
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -19,7 +25,11 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        fused = x.dim() == 2 and x.dtype == self.weight.dtype and cpu_fused.usable(x, self.weight)
         if residual is None:
-            return self._norm(x)
+            return cpu_fused.rms_norm(x, self.weight, self.eps) if fused else self._norm(x)
+        if fused and residual.dtype == x.dtype and residual.stride(-1) == 1:
+            cpu_fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         x = x + residual
         return self._norm(x), x

@@ -6,9 +6,9 @@ dim and all-reduce, adding the bias once after the reduction.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.worker.layers.cpu_linear import linear
 from pagedserve.worker.models.weights import as_lazy
 from pagedserve.worker.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 
@@ -32,6 +32,8 @@ def _copy(dst: torch.Tensor, w) -> None:
 
 
 class ReplicatedLinear(nn.Module):
+    packable = True  # cpu_linear.pack_linears may swap the weight for a oneDNN-packed copy
+
     def __init__(self, input_size: int, output_size: int, bias: bool = True) -> None:
         super().__init__()
         self.weight = _param(output_size, input_size, loader=self.weight_loader)
@@ -41,10 +43,12 @@ class ReplicatedLinear(nn.Module):
         _copy(param.data, as_lazy(loaded_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(self, x, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
+    packable = True
+
     def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -58,7 +62,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data, as_lazy(loaded_weight).narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(self, x, self.bias)
         return all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -111,6 +115,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
+    packable = True
+
     def __init__(self, input_size: int, output_size: int, bias: bool = True, reduce_results: bool = True) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -127,7 +133,7 @@ class RowParallelLinear(nn.Module):
         _copy(param.data, as_lazy(loaded_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(self, x, None)
         if self.reduce_results:
             y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

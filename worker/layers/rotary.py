@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from pagedserve.kernels import cpu_fused
+
 
 def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
@@ -49,6 +51,11 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D], k [T, Hkv, D]; on CPU (fp32, bf16) rotated in place by one C++ pass and returned."""
+        if (q.dtype == k.dtype and self.cos.dtype == torch.float32 and q.dim() == 3 and k.dim() == 3
+                and cpu_fused.usable(q, k)):
+            cpu_fused.rotary(positions.long().contiguous(), q, k, self.cos, self.sin, self.rotary_dim)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,109 @@
+"""C++ helpers shared by the CPU kernels: 8-wide fp32 vectors, bf16 loads and stores, a vectorizable exp.
+
+Written with GCC/Clang vector extensions rather than intrinsics, so one source builds for whatever ``-march=native``
+offers (AVX2 here, AVX-512 or NEON elsewhere). Storage types are ``float`` and ``bf16_t`` (the bits of a bfloat16);
+arithmetic is always fp32.
+"""
+from __future__ import annotations
+
+HEADER = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace ps {
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint16_t bf16_t;
+
+inline f32x8 load8(const float* p) { f32x8 v; std::memcpy(&v, p, sizeof v); return v; }
+inline f32x8 load8(const bf16_t* p) {
+  u16x8 h; std::memcpy(&h, p, sizeof h);
+  u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  f32x8 v; std::memcpy(&v, &w, sizeof v); return v;
+}
+inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+inline void store8(bf16_t* p, f32x8 v) {  // round to nearest even, as torch's float -> bfloat16
+  u32x8 w; std::memcpy(&w, &v, sizeof w);
+  w += 0x7FFFu + ((w >> 16) & 1u);
+  u16x8 h = __builtin_convertvector(w >> 16, u16x8);
+  std::memcpy(p, &h, sizeof h);
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const bf16_t* p) { uint32_t w = uint32_t(*p) << 16; float f; std::memcpy(&f, &w, 4); return f; }
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(bf16_t* p, float v) {
+  uint32_t w; std::memcpy(&w, &v, 4);
+  w += 0x7FFFu + ((w >> 16) & 1u);
+  *p = bf16_t(w >> 16);
+}
+
+inline f32x8 splat(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
+inline float hsum(f32x8 v) {
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+// [sum(a0), sum(a1), ..., sum(a7)]: pairwise sums with lane shuffles, three levels deep.
+inline f32x8 transpose_sum(f32x8 a0, f32x8 a1, f32x8 a2, f32x8 a3, f32x8 a4, f32x8 a5, f32x8 a6, f32x8 a7) {
+#define PS_PAIR(x, y) (__builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) + \
+                       __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15))
+#define PS_QUAD(x, y) (__builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + \
+                       __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15))
+  const f32x8 b01 = PS_PAIR(a0, a1), b23 = PS_PAIR(a2, a3), b45 = PS_PAIR(a4, a5), b67 = PS_PAIR(a6, a7);
+  const f32x8 c0 = PS_QUAD(b01, b23), c4 = PS_QUAD(b45, b67);
+#undef PS_PAIR
+#undef PS_QUAD
+  return __builtin_shufflevector(c0, c4, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(c0, c4, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+inline float hmax(f32x8 v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp on 8 lanes: Cody-Waite reduction to r in [-ln2/2, ln2/2], a degree-6 Taylor polynomial (error < 2e-7
+// relative) and the exponent put back in the float's bits. Inputs are clamped to [-87, 88] (no denormals or inf).
+inline f32x8 exp8(f32x8 x) {
+  x = x < -87.f ? splat(-87.f) : x;
+  x = x > 88.f ? splat(88.f) : x;
+  f32x8 t = x * 1.44269504f;
+  i32x8 n = __builtin_convertvector(t + (t < 0.f ? splat(-0.5f) : splat(0.5f)), i32x8);  // round half away
+  f32x8 nf = __builtin_convertvector(n, f32x8);
+  f32x8 r = x - nf * 0.693359375f;
+  r = r + nf * 2.12194440e-4f;
+  f32x8 p = splat(1.f / 720);
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  i32x8 e = (n + 127) << 23;
+  f32x8 scale; std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
+}
+
+template <typename T> inline const T* ptr(const torch::Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+template <typename T> inline T* mut_ptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+// Runs body(storage type tag) for a float32 or bfloat16 tensor.
+#define PS_DISPATCH(dtype, ...)                                                       \
+  [&] {                                                                               \
+    if ((dtype) == torch::kFloat) { using scalar = float; return __VA_ARGS__(); }     \
+    TORCH_CHECK((dtype) == torch::kBFloat16, "float32 or bfloat16 only");             \
+    using scalar = ps::bf16_t; return __VA_ARGS__();                                   \
+  }()
+
+}  // namespace ps
+"""

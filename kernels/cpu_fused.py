@@ -1,0 +1,200 @@
+"""Fused element-wise CPU kernels in C++: RMSNorm (with the residual add), SiLU-and-mul, rotary, KV-cache writes.
+
+Each replaces a chain of torch ops (and their temporaries) with one pass over the rows, parallel over rows. Math
+is fp32; bf16 tensors are widened on load and rounded (to nearest even) where Hugging Face's bf16 modules round:
+RMSNorm rounds the normalized row before the weight multiply, as ``LlamaRMSNorm`` does.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels import cpu_extension
+
+SOURCE = r"""
+namespace ps {
+
+inline int64_t grain(int64_t work_per_row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, work_per_row)); }
+
+// out = norm(x) * w, or with residual: residual = x + residual; x = norm(residual) * w (both in place).
+template <typename T>
+void rms_rows(T* x, T* residual, const T* w, T* out, int64_t rows, int64_t H, int64_t xs, int64_t rs, int64_t os,
+              float eps) {
+  at::parallel_for(0, rows, grain(H), [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buf;
+    buf.resize(H);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * xs;
+      f32x8 ss = {};
+      for (int64_t d = 0; d < H; d += 8) {
+        f32x8 v = load8(xr + d);
+        if (residual != nullptr) {
+          T* rr = residual + r * rs;
+          v += load8(rr + d);
+          store8(rr + d, v);
+          v = load8(rr + d);  // the rounded sum, as the next layer will read it
+        }
+        store8(buf.data() + d, v);
+        ss += v * v;
+      }
+      const f32x8 inv = splat(1.f / std::sqrt(hsum(ss) / float(H) + eps));
+      T* o = out + r * os;
+      for (int64_t d = 0; d < H; d += 8) {
+        T tmp[8];
+        store8(tmp, load8(buf.data() + d) * inv);  // Hugging Face rounds here when the model is bf16
+        store8(o + d, load8(tmp) * load8(w + d));
+      }
+    }
+  });
+}
+
+void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor out) {
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "rows of [T, H]");
+  TORCH_CHECK(H % 8 == 0 && x.stride(-1) == 1 && out.stride(-1) == 1 && weight.is_contiguous());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && out.scalar_type() == x.scalar_type());
+  PS_DISPATCH(x.scalar_type(), [&] {
+    rms_rows<scalar>(mut_ptr<scalar>(x), nullptr, ptr<scalar>(weight), mut_ptr<scalar>(out), x.numel() / H, H,
+                     x.stride(0), 0, out.stride(0), float(eps));
+  });
+}
+
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(x.dim() == 2 && residual.dim() == 2, "rows of [T, H]");
+  TORCH_CHECK(H % 8 == 0 && x.stride(-1) == 1 && residual.stride(-1) == 1 && weight.is_contiguous());
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type());
+  PS_DISPATCH(x.scalar_type(), [&] {
+    rms_rows<scalar>(mut_ptr<scalar>(x), mut_ptr<scalar>(residual), ptr<scalar>(weight), mut_ptr<scalar>(x),
+                     x.numel() / H, H, x.stride(0), residual.stride(0), x.stride(0), float(eps));
+  });
+}
+
+// out[r] = silu(x[r, :I]) * x[r, I:]
+void silu_and_mul(torch::Tensor x, torch::Tensor out) {
+  const int64_t I = out.size(-1), rows = out.numel() / I;
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "rows of [T, 2I] -> [T, I]");
+  TORCH_CHECK(I % 8 == 0 && x.size(-1) == 2 * I && x.stride(-1) == 1 && out.is_contiguous());
+  TORCH_CHECK(x.scalar_type() == out.scalar_type());
+  const int64_t xs = x.stride(0);
+  PS_DISPATCH(x.scalar_type(), [&] {
+    const scalar* in = ptr<scalar>(x);
+    scalar* o = mut_ptr<scalar>(out);
+    at::parallel_for(0, rows, grain(I), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t d = 0; d < I; d += 8) {
+          const f32x8 g = load8(in + r * xs + d), u = load8(in + r * xs + I + d);
+          store8(o + r * I + d, g / (1.f + exp8(-g)) * u);
+        }
+    });
+  });
+}
+
+// GPT-NeoX-style rotary (rotate-half) on the first rot dims of each head, in place. cos/sin: [max_pos, rot / 2]
+// fp32; for bf16 tensors they are rounded to bf16 first, as the torch path casts them to the model dtype.
+template <typename T>
+void rope_rows(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t head_stride, int64_t rot,
+               const int64_t* pos, const float* cos, const float* sin) {
+  const int64_t half = rot / 2;
+  at::parallel_for(0, rows, grain(heads * rot), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cos + pos[r] * half;
+      const float* s = sin + pos[r] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* p = x + r * row_stride + h * head_stride;
+        for (int64_t j = 0; j < half; ++j) {
+          T cq, sq;
+          store1(&cq, c[j]);
+          store1(&sq, s[j]);
+          const float cj = load1(&cq), sj = load1(&sq);
+          const float x1 = load1(p + j), x2 = load1(p + half + j);
+          store1(p + j, x1 * cj - x2 * sj);
+          store1(p + half + j, x2 * cj + x1 * sj);
+        }
+      }
+    }
+  });
+}
+
+void rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
+            int64_t rot) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1);
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous());
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && rot % 2 == 0 && rot <= q.size(2) && cos.size(1) == rot / 2);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  PS_DISPATCH(q.scalar_type(), [&] {
+    rope_rows<scalar>(mut_ptr<scalar>(q), q.size(0), q.size(1), q.stride(0), q.stride(1), rot, pos,
+                      cos.data_ptr<float>(), sin.data_ptr<float>());
+    rope_rows<scalar>(mut_ptr<scalar>(k), k.size(0), k.size(1), k.stride(0), k.stride(1), rot, pos,
+                      cos.data_ptr<float>(), sin.data_ptr<float>());
+  });
+}
+
+// k_cache[slot] = key[t], v_cache[slot] = value[t] for every token with slot >= 0; key/value rows may be strided.
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                       torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && key.stride(1) == key.size(2));
+  TORCH_CHECK(value.dim() == 3 && value.stride(2) == 1 && value.stride(1) == value.size(2));
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.scalar_type() == torch::kLong);
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type());
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == row);
+  auto slots_c = slot_mapping.contiguous();
+  const int64_t* slots = slots_c.data_ptr<int64_t>();
+  const int64_t bytes = row * key.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(kc + slots[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(vc + slots[t] * bytes, vp + t * vs, bytes);
+  }
+}
+
+}  // namespace ps
+"""
+
+FUNCTIONS = {
+    "rms_norm": "ps::rms_norm",
+    "fused_add_rms_norm": "ps::fused_add_rms_norm",
+    "silu_and_mul": "ps::silu_and_mul",
+    "rotary": "ps::rotary",
+    "reshape_and_cache": "ps::reshape_and_cache",
+}
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernels take these tensors: CPU, fp32 or bf16, last dim a multiple of 8, built."""
+    return all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and t.shape[-1] % 8 == 0
+               and t.stride(-1) == 1 for t in tensors) and cpu_extension.load() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype)
+    cpu_extension.load().rms_norm(x, weight, eps, out)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual += x``, then ``x = rms_norm(residual) * weight``."""
+    cpu_extension.load().fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype)
+    cpu_extension.load().silu_and_mul(x, out)
+    return out
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           rotary_dim: int) -> None:
+    """In place on q [T, Hq, D] and k [T, Hkv, D] (rows and heads may be strided)."""
+    cpu_extension.load().rotary(positions, q, k, cos, sin, rotary_dim)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    cpu_extension.load().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,106 @@
+"""bf16 on CPU against Hugging Face run in bf16, with the check vLLM uses for reduced precision: greedy tokens are
+equal up to the first divergence, and there each side's token is in the other's top-5 logprobs. Also: the engine
+really runs bf16 end to end (weights, KV cache, the C++ attention), and ``dtype="auto"`` on CPU follows the CPU."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import FAST_CPU_FLAGS, choose_cpu_dtype, cpu_auto_dtype, cpu_flags
+from pagedserve.kernels import cpu_ops
+from pagedserve.tests.utils import EOS, random_prompts
+
+MAX_TOKENS = 16
+TOP = 5
+
+
+def hf_greedy_top(model, prompt: list[int]) -> tuple[list[int], list[set[int]]]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, eos_token_id=EOS, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    tokens = out.sequences[0, len(prompt):].tolist()
+    tops = [set(torch.log_softmax(lg[0].float(), -1).topk(TOP).indices.tolist()) for lg in out.logits]
+    return tokens, tops
+
+
+def assert_close_greedy(ours: list[int], our_tops: list[set[int]], ref: list[int], ref_tops: list[set[int]]) -> int:
+    """vLLM's ``check_logprobs_close``: returns how many tokens matched before the first divergence."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert a in ref_tops[i], f"position {i}: our token {a} not in HF's top-{TOP} {sorted(ref_tops[i])}"
+            assert b in our_tops[i], f"position {i}: HF's token {b} not in our top-{TOP} {sorted(our_tops[i])}"
+            return i
+    return min(len(ours), len(ref))
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-gqa8", "gpt_neox"])
+def test_bf16_greedy_close_to_hf_bf16(arch, model_factory):
+    model_dir = model_factory(arch)
+    prompts = random_prompts(5, seed=5, max_len=60)
+    llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=64)  # chunks and mixed batches
+    runner = llm.llm_engine.core.executor.worker.model_runner
+    assert runner.k_caches[0].dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in runner.model.parameters() if p.is_floating_point())
+    assert runner.backend is cpu_ops and runner.attn_layers[0].k_cache.dtype == torch.bfloat16
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    matched = 0
+    for prompt, out in zip(prompts, outs):
+        ours = out.outputs[0]
+        ref, ref_tops = hf_greedy_top(hf, prompt)
+        our_tops = [set(lp) for lp in ours.logprobs]
+        matched += assert_close_greedy(ours.token_ids, our_tops, ref, ref_tops)
+    assert matched >= len(prompts) * 3, f"only {matched} tokens equal before divergence: bf16 looks broken"
+
+
+def _save_dtype(model_dir: str, dtype: str) -> None:
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["dtype"] = dtype
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+
+
+def test_auto_dtype_on_cpu_follows_the_cpu(model_factory, tmp_path, caplog):
+    """A bf16 checkpoint runs in bf16 only where the CPU has bf16 matmul instructions; --dtype overrides."""
+    src = model_factory("llama")
+    model_dir = str(tmp_path / "bf16-ckpt")
+    os.makedirs(model_dir)
+    for name in os.listdir(src):
+        with open(os.path.join(src, name), "rb") as a, open(os.path.join(model_dir, name), "wb") as b:
+            b.write(a.read())
+    _save_dtype(model_dir, "bfloat16")
+    cpu_auto_dtype.cache_clear()
+    with caplog.at_level(logging.INFO, logger="pagedserve.config"):
+        auto = LLM(model_dir, max_num_seqs=2)
+    want, _ = choose_cpu_dtype(torch.bfloat16, cpu_flags())
+    if not any(f in cpu_flags() for f in FAST_CPU_FLAGS[torch.bfloat16]):
+        assert want == torch.float32  # this machine kind: AVX2 only
+    assert auto.llm_engine.core.config.model_config.dtype == want
+    assert any("dtype auto on CPU" in r.getMessage() for r in caplog.records)
+    explicit = LLM(model_dir, dtype="bfloat16", max_num_seqs=2)
+    assert explicit.llm_engine.core.config.model_config.dtype == torch.bfloat16
+
+
+def test_cpu_dtype_choice_needs_flags_and_a_faster_matmul():
+    assert choose_cpu_dtype(torch.float32, {"amx_bf16"})[0] == torch.float32
+    calls = []
+
+    def probe(dtype):
+        calls.append(dtype)
+        return 0.05
+
+    assert choose_cpu_dtype(torch.bfloat16, {"avx2"}, probe)[0] == torch.float32 and not calls  # no flags: no probe
+    assert choose_cpu_dtype(torch.bfloat16, {"avx512_bf16"}, probe)[0] == torch.float32 and calls == [torch.bfloat16]
+    assert choose_cpu_dtype(torch.bfloat16, {"amx_bf16"}, lambda d: 2.5)[0] == torch.bfloat16
+    assert choose_cpu_dtype(torch.float16, {"avx512_bf16"}, lambda d: 2.5)[0] == torch.float32  # fp16 needs fp16
+    assert choose_cpu_dtype(torch.float16, {"amx_fp16"}, lambda d: 2.5)[0] == torch.float16
