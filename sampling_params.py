@@ -19,6 +19,8 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # JSON kinds: no whitespace beyond the compact form (vLLM's option; a small model may otherwise loop on it).
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k)]

@@ -25,10 +25,10 @@ _ANY_JSON_OBJECT = '{"type": "object"}'
 
 def grammar_spec(so: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (cheap: the compiling is done by the matcher)."""
-    if so.json is not None:
-        return llguidance.grammar_from("json_schema", so.json if isinstance(so.json, str) else json.dumps(so.json))
-    if so.json_object:
-        return llguidance.grammar_from("json_schema", _ANY_JSON_OBJECT)
+    if so.json is not None or so.json_object:
+        schema = _ANY_JSON_OBJECT if so.json is None else so.json if isinstance(so.json, str) else json.dumps(so.json)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": not so.disable_any_whitespace})
     if so.regex is not None:
         return llguidance.grammar_from("regex", so.regex)
     if so.choice is not None:
@@ -70,6 +70,10 @@ class StructuredOutputManager:
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
         self.compile_seconds.append(time.perf_counter() - start)
         return matcher
+
+    def take_compile_seconds(self) -> list[float]:
+        """Compile times since the last call (appended on the compile thread; list.pop is atomic)."""
+        return [self.compile_seconds.pop(0) for _ in range(len(self.compile_seconds))]
 
     def add(self, request_id: str, so: StructuredOutputsParams) -> None:
         """Start compiling a request's grammar (or reuse the compiled one)."""
@@ -124,14 +128,20 @@ class StructuredOutputManager:
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         first: dict[int, int] = {}
-        work = []
+        plain, drafting = [], []  # llguidance's draft variant refuses empty drafts
         total = 0
         for seq_id, drafts in rows:
             first[seq_id] = total
-            work.append((self._matchers[seq_id], total, list(drafts)))
+            if drafts:
+                drafting.append((self._matchers[seq_id], total, list(drafts)))
+            else:
+                plain.append((self._matchers[seq_id], total))
             total += 1 + len(drafts)
         mask = llg_numpy.allocate_token_bitmask(total, self.vocab_size)
-        llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, work, mask)
+        if plain:
+            llg_numpy.fill_next_token_bitmask_par(self._executor, plain, mask)
+        if drafting:
+            llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting, mask)
         return mask, first
 
     def shutdown(self) -> None:

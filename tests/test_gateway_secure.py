@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import grpc
@@ -16,16 +15,6 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.tests.server_thread import ServerThread
 
 KEY = "s3cret-key"
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = str(d / "cert.pem"), str(d / "key.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return cert, key
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
+import grpc
 import httpx2
 import openai
 import pytest
@@ -17,6 +19,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.client import AsyncClient
 from pagedserve.config import default_model_dir
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.tests.server_thread import ServerThread, free_port
 from pagedserve.tests.utils import random_prompts
 
@@ -425,3 +428,45 @@ def test_metrics_count_each_protocol(server, client):
     after = snapshot()
     assert after[0] == before[0] + 2 and after[1] == before[1] + 1 and after[2] == before[2] + 2
     assert after[3] > before[3] + 3
+
+
+def test_structured_outputs_over_http_and_grpc(server, client, offline):
+    """response_format and structured_outputs (HTTP) and the proto's oneof (gRPC) constrain exactly as offline."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "c": {"enum": ["red", "blue"]}},
+              "required": ["n", "c"], "additionalProperties": False}
+    regex = r"[a-z]{3,8}@[a-z]{2,5}\.com"
+    prompt = random_prompts(1, seed=12)[0]
+    want = {k: offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so),
+                                use_tqdm=False)[0].outputs[0]
+            for k, so in [("json", StructuredOutputsParams(json=schema)),
+                          ("regex", StructuredOutputsParams(regex=regex))]}
+    assert want["regex"].finish_reason == "stop" and re.fullmatch(regex, want["regex"].text)
+    by_format = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=60, temperature=0.0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                    "return_token_ids": True})
+    by_vllm = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0.0,
+                                        extra_body={"structured_outputs": {"regex": regex}, "return_token_ids": True})
+    assert by_format.choices[0].token_ids == list(want["json"].token_ids)  # type: ignore[attr-defined]
+    assert by_vllm.choices[0].text == want["regex"].text
+    if want["json"].finish_reason == "stop":
+        assert set(json.loads(by_format.choices[0].text)) == {"n", "c"}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "color?"}],
+                                          max_completion_tokens=8, temperature=1.0, seed=3, n=4,
+                                          extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert {c.message.content for c in chat.choices} <= {"red", "blue"}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"structured_outputs": {"regex": "(open"}})
+    assert err.value.body["param"] == "structured_outputs" and "regex" in err.value.message
+
+    async def grpc_calls():
+        async with AsyncClient(server.target) as g:
+            ok = await g.generate(prompt, max_tokens=60, temperature=0.0, structured_outputs={"regex": regex})
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await g.generate("x", structured_outputs={"json": '{"type": "nope"}'})
+            return ok, bad.value
+
+    ok, bad = asyncio.run(grpc_calls())
+    assert ok.completions[0].text == want["regex"].text
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "json" in bad.details()

@@ -22,16 +22,6 @@ KEY = "s3cret-http-key"
 PS = [sys.executable, "-m", "pagedserve"]
 
 
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = str(d / "cert.pem"), str(d / "key.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return cert, key
-
-
 class Served:
     def __init__(self, proc: subprocess.Popen, url: str, cert: str, log: str, health_seen: list[int]) -> None:
         self.proc, self.url, self.cert, self.log, self.health_seen = proc, url, cert, log, health_seen

@@ -31,13 +31,29 @@ class SeqState:
 
 
 @dataclass
+class SampleRow:
+    """One sampling row: a sequence's next token, or, speculating, the token after its first ``len(drafts)``
+    drafts; a best_of request's forked completions get rows of their own from the same logits."""
+
+    seq_id: int
+    state: SeqState
+    seed: int
+    drafts: list[int]
+    mask_row: int  # row of the grammar bitmask; -1: unconstrained
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.state.token_ids) - self.state.prompt_len + len(self.drafts)
+
+
+@dataclass
 class StepInputs:
     seq_ids: list[int]
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: AttentionMetadata
-    sample_rows: list[int]  # batch rows that sample this step
-    logits_indices: torch.Tensor  # token index of each sampling row's last token
+    logits_seqs: list[tuple[int, int]]  # (seq_id, drafts before it) per row of logits_indices
+    logits_indices: torch.Tensor  # token index whose logits each sampling position reads
     prompt_chunks: list[tuple[int, int, int, int]]  # (seq_id, first token index, start pos, length)
 
 
@@ -118,7 +134,7 @@ class ModelRunner:
         input_ids: list[int] = []
         query_lens = np.empty(n, dtype=np.int64)
         seq_lens = np.empty(n, dtype=np.int64)
-        sample_rows: list[int] = []
+        logits_seqs: list[tuple[int, int]] = []
         logits_idx: list[int] = []
         prompt_chunks: list[tuple[int, int, int, int]] = []
         max_blocks = 0
@@ -127,10 +143,14 @@ class ModelRunner:
             start, q = starts[seq_id], sched.num_scheduled_tokens[seq_id]
             end = start + q
             input_ids.extend(st.token_ids[start:end])
+            drafts = sched.spec_token_ids.get(seq_id, ())
+            if drafts:  # run after the last token; not part of the state until the scheduler keeps them
+                input_ids.extend(drafts[: max(0, end - len(st.token_ids))])
             query_lens[i], seq_lens[i] = q, end
-            if end == len(st.token_ids):
-                sample_rows.append(i)
-                logits_idx.append(len(input_ids) - 1)
+            if end == len(st.token_ids) + len(drafts):
+                for j in range(len(drafts) + 1):
+                    logits_seqs.append((seq_id, j))
+                    logits_idx.append(len(input_ids) - 1 - len(drafts) + j)
             if st.need_prompt_logprobs and start < st.prompt_len - 1:
                 prompt_chunks.append((seq_id, len(input_ids) - q, start, min(end, st.prompt_len - 1) - start))
             max_blocks = max(max_blocks, len(st.block_ids))
@@ -152,12 +172,12 @@ class ModelRunner:
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
             backend=self.backend)
         return StepInputs(seq_ids, torch.tensor(input_ids, dtype=torch.long, device=dev),
-                          torch.from_numpy(positions).to(dev), attn, sample_rows,
+                          torch.from_numpy(positions).to(dev), attn, logits_seqs,
                           torch.tensor(logits_idx, dtype=torch.long, device=dev), prompt_chunks)
 
-    def _sampling_metadata(self, states: list[SeqState], seeds: list[int]) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: list[SampleRow], sched: SchedulerOutput) -> SamplingMetadata:
         dev = self.device
-        params = [s.params for s in states]
+        params = [r.state.params for r in rows]
         temps = [0.0 if p.is_greedy else p.temperature for p in params]
         vocab = self.vocab_size
 
@@ -172,8 +192,8 @@ class ModelRunner:
             top_k=col([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, vocab),
             top_p=col([p.top_p for p in params], torch.float32, 1.0),
             min_p=col([p.min_p for p in params], torch.float32, 0.0),
-            seeds=torch.tensor(seeds, dtype=torch.long),
-            counters=torch.tensor([len(s.token_ids) - s.prompt_len for s in states], dtype=torch.long),
+            seeds=torch.tensor([r.seed for r in rows], dtype=torch.long),
+            counters=torch.tensor([r.num_output_tokens for r in rows], dtype=torch.long),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1))
         if md.max_num_logprobs < 0 and any(p.best_of > p.n for p in params):
             md.max_num_logprobs = 0  # best_of ranks completions by cumulative logprob
@@ -181,17 +201,21 @@ class ModelRunner:
             md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
             md.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
             md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
-            md.prompt_tokens = _pad([s.token_ids[: s.prompt_len] for s in states], dev)
-            md.output_tokens = _pad([s.token_ids[s.prompt_len:] for s in states], dev)
-        rows, toks = [], []
-        for i, s in enumerate(states):
-            p = s.params
-            if len(s.token_ids) - s.prompt_len < p.min_tokens:
+            md.prompt_tokens = _pad([r.state.token_ids[: r.state.prompt_len] for r in rows], dev)
+            md.output_tokens = _pad([r.state.token_ids[r.state.prompt_len:] + r.drafts for r in rows], dev)
+        masked = [i for i, r in enumerate(rows) if r.mask_row >= 0]
+        if masked:
+            mask_rows = torch.from_numpy(sched.grammar_bitmask[[rows[i].mask_row for i in masked]])
+            md.allowed = (torch.tensor(masked, device=dev), mask_rows.to(dev))
+        banned_rows, toks = [], []
+        for i, r in enumerate(rows):
+            p = r.state.params
+            if r.num_output_tokens < p.min_tokens:
                 stops = set(p.stop_token_ids) | p.all_stop_token_ids
-                rows += [i] * len(stops)
+                banned_rows += [i] * len(stops)
                 toks += sorted(stops)
-        if rows:
-            md.banned = (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev))
+        if banned_rows:
+            md.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(toks, device=dev))
         return md
 
     # ---- the step ----------------------------------------------------------------------------
@@ -206,25 +230,24 @@ class ModelRunner:
         t1 = time.perf_counter()
         with set_forward_context(inp.attn):
             hidden = self.model(inp.input_ids, inp.positions)
-        out = ModelRunnerOutput([inp.seq_ids[r] for r in inp.sample_rows], [])
+        out = ModelRunnerOutput([seq_id for seq_id, _ in inp.logits_seqs], [])
         if inp.prompt_chunks:
             out.prompt_logprobs = self._prompt_logprobs(hidden, inp)
-        if inp.sample_rows:
+        if inp.logits_seqs:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
         self._sync()
         t2 = time.perf_counter()
         out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
-        if not inp.sample_rows:
+        if not inp.logits_seqs:
             return out
-        # (seq_id, state, seed) per sampling row: the scheduler's forks get a row each from the same logits.
-        rows = [(s, self.states[s], seed) for s in out.seq_ids
-                for seed in (self.states[s].seed, *sched.fork_seeds.get(s, ()))]
-        if len(rows) > len(out.seq_ids):
-            repeat = torch.tensor([sum(1 for r in rows if r[0] == s) for s in out.seq_ids], device=logits.device)
+        rows = self._sample_rows(inp, sched)
+        if len(rows) > len(inp.logits_seqs):
+            repeat = torch.tensor([1 + len(sched.fork_seeds.get(s, ())) if j == 0 else 1
+                                   for s, j in inp.logits_seqs], device=logits.device)
             logits = logits.repeat_interleave(repeat, dim=0)
-            out.seq_ids = [r[0] for r in rows]
-        states = [r[1] for r in rows]
-        md = self._sampling_metadata(states, [r[2] for r in rows])
+            out.seq_ids = [r.seq_id for r in rows]
+        states = [r.state for r in rows]
+        md = self._sampling_metadata(rows, sched)
         res = sample(logits, md)
         out.sampled_token_ids = res.token_ids.tolist()
         out.timings["sample"] = time.perf_counter() - t2
@@ -238,6 +261,18 @@ class ModelRunner:
                 if k is not None:
                     out.top_logprobs[i] = (top_ids[i][:k] if k else [], top_lps[i][:k] if k else [], ranks[i])
         return out
+
+    def _sample_rows(self, inp: StepInputs, sched: SchedulerOutput) -> list[SampleRow]:
+        rows = []
+        for seq_id, j in inp.logits_seqs:
+            st = self.states[seq_id]
+            drafts = sched.spec_token_ids.get(seq_id, [])[:j]
+            first = sched.grammar_rows.get(seq_id, -1)
+            mask_row = first + j if first >= 0 else -1
+            # The scheduler's forks get a row each from the same logits (and their parent's grammar row).
+            seeds = (st.seed, *sched.fork_seeds.get(seq_id, ())) if j == 0 else (st.seed,)
+            rows += [SampleRow(seq_id, st, seed, drafts, mask_row) for seed in seeds]
+        return rows
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -44,6 +44,8 @@ class SamplingMetadata:
     output_tokens: torch.Tensor | None = None  # [B, Lo]
     # (row, token id) pairs banned this step (stop tokens before min_tokens is reached).
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Structured output: (rows, int32 bitmasks [R, ceil(V / 32)], bit t of word t // 32 set: token t allowed).
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int = -1  # -1: no row wants logprobs
 
 
@@ -94,9 +96,23 @@ def _filter(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf for the tokens of ``rows`` whose bit is clear; tokens past the bitmask's width are not allowed."""
+    vocab = logits.shape[1]
+    bits = (bitmask.to(torch.int64).unsqueeze(-1) >> torch.arange(32, device=bitmask.device)) & 1
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = logits.float()
     raw = logits
+    if md.allowed is not None:
+        logits = apply_token_bitmask(logits, *md.allowed)
     if md.repetition_penalty is not None:
         logits = apply_penalties(logits, md)
     if md.banned is not None:

@@ -37,6 +37,10 @@ class EngineCoreMetrics:
                                    "Engine step time by phase: schedule, execute (broadcast + workers), prepare, "
                                    "forward and sample (on rank 0), update.", ["phase"],
                                    buckets=STEP_BUCKETS, **h)
+        self.grammar_compile_time = Histogram(
+            "pagedserve_structured_output_compile_time_seconds",
+            "Time to compile a structured-output grammar (once per distinct constraint; later uses hit the cache).",
+            buckets=LATENCY_BUCKETS, **h)
         for phase in STEP_PHASES:  # at zero from the first scrape, not only after the first step
             self.step_time.labels(phase)
         self._tracked: dict[str, tuple[Request, list[float | None]]] = {}  # id -> (request, [first token time])
@@ -50,6 +54,8 @@ class EngineCoreMetrics:
             entry = self._tracked.get(out.request_id)
             if entry is not None and out.new_token_ids and entry[1][0] is None:
                 entry[1][0] = now
+        for seconds in self.core.scheduler.structured.take_compile_seconds():
+            self.grammar_compile_time.observe(seconds)
         if step is not None:
             self.iteration_tokens.observe(step.num_tokens)
             for phase, seconds in [("schedule", step.schedule), ("execute", step.execute),
@@ -116,4 +122,13 @@ class EngineCoreMetrics:
                 s.scheduled_tokens)
         counter("pagedserve_worker_restarts", "Times the tensor-parallel worker group was rebuilt after a failure.",
                 s.num_worker_restarts)
+        counter("pagedserve_structured_output_requests", "Requests constrained by structured output.",
+                s.num_constrained_requests)
+        counter("pagedserve_spec_decode_num_drafts", "Draft sequences proposed by speculative decoding.",
+                s.spec_num_drafts)
+        counter("pagedserve_spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens)
+        counter("pagedserve_spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
+        per_pos = s.spec_accepted_per_pos or [0]  # a zero series from the first scrape
+        counter("pagedserve_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
+                0, "position", {str(i): v for i, v in enumerate(per_pos)})
         return fams + list(self.registry.collect())

@@ -47,7 +47,10 @@ class OpenAIError(Exception):
 def _param(message: str, fields: set[str]) -> str | None:
     """The request field an engine message names first (its messages start with the field: "top_p must be ...")."""
     m = _FIELD.match(message)
-    return m.group(0) if m and m.group(0) in fields else None
+    if not m:
+        return None
+    name = m.group(0)  # "structured_outputs.regex: ..." names the field structured_outputs
+    return name if name in fields else name.split(".", 1)[0] if name.split(".", 1)[0] in fields else None
 
 
 def from_exception(e: BaseException, fields: set[str] = frozenset()) -> OpenAIError:

