@@ -217,3 +217,23 @@ def test_prompt_logprobs_bypass_a_warm_prefix_cache(llama_dir):
     llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)  # fills the cache
     out = llm.generate(prompt, SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
     assert len(out.prompt_logprobs) == 40 and all(e is not None for e in out.prompt_logprobs[1:])
+
+
+def test_token_bitmask_bits_and_rows():
+    """Bit t of int32 word t // 32 allows token t (llguidance's layout); unlisted rows are untouched; tokens past
+    the mask's width are not allowed."""
+    import numpy as np
+
+    from pagedserve.worker.sampler import apply_token_bitmask, unpack_token_bitmask
+
+    vocab = 331
+    rng = np.random.default_rng(0)
+    mask = rng.integers(-2**31, 2**31, size=(3, 10), dtype=np.int64).astype(np.int32)  # 320 bits < 331
+    logits = torch.randn(5, vocab)
+    rows = torch.tensor([0, 2, 4])
+    out = apply_token_bitmask(logits, rows, unpack_token_bitmask(mask))
+    for i, r in enumerate(rows.tolist()):
+        want = [t < 320 and (int(mask[i, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)]
+        assert (out[r] != float("-inf")).tolist() == want
+    assert torch.equal(out[[1, 3]], logits[[1, 3]])
+    assert torch.equal(apply_token_bitmask(logits[rows], torch.arange(3), unpack_token_bitmask(mask)), out[rows])

@@ -15,7 +15,7 @@ from pagedserve.worker.forward_context import AttentionMetadata, set_forward_con
 from pagedserve.worker.layers.attention import Attention
 from pagedserve.worker.layers.cpu_linear import pack_linears
 from pagedserve.worker.models.loader import load_model
-from pagedserve.worker.sampler import SamplingMetadata, sample
+from pagedserve.worker.sampler import SamplingMetadata, sample, unpack_token_bitmask
 
 
 @dataclass
@@ -205,8 +205,8 @@ class ModelRunner:
             md.output_tokens = _pad([r.state.token_ids[r.state.prompt_len:] + r.drafts for r in rows], dev)
         masked = [i for i, r in enumerate(rows) if r.mask_row >= 0]
         if masked:
-            mask_rows = torch.from_numpy(sched.grammar_bitmask[[rows[i].mask_row for i in masked]])
-            md.allowed = (torch.tensor(masked, device=dev), mask_rows.to(dev))
+            allowed = unpack_token_bitmask(sched.grammar_bitmask[[rows[i].mask_row for i in masked]])
+            md.allowed = (torch.tensor(masked, device=dev), allowed.to(dev))
         banned_rows, toks = [], []
         for i, r in enumerate(rows):
             p = r.state.params

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -44,7 +45,7 @@ class SamplingMetadata:
     output_tokens: torch.Tensor | None = None  # [B, Lo]
     # (row, token id) pairs banned this step (stop tokens before min_tokens is reached).
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Structured output: (rows, int32 bitmasks [R, ceil(V / 32)], bit t of word t // 32 set: token t allowed).
+    # Structured output: (rows, allowed tokens [R, >= V] as bools; see unpack_token_bitmask).
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int = -1  # -1: no row wants logprobs
 
@@ -96,15 +97,22 @@ def _filter(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """-inf for the tokens of ``rows`` whose bit is clear; tokens past the bitmask's width are not allowed."""
+def unpack_token_bitmask(bitmask: np.ndarray) -> torch.Tensor:
+    """int32 bitmask rows [R, W] (bit t of word t // 32: token t allowed) as bools [R, 32 W], unpacked in C."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """-inf for the tokens of ``rows`` not ``allowed`` (bools [len(rows), >= 0]); tokens past its width are not."""
     vocab = logits.shape[1]
-    bits = (bitmask.to(torch.int64).unsqueeze(-1) >> torch.arange(32, device=bitmask.device)) & 1
-    allowed = bits.flatten(1)[:, :vocab].bool()
+    allowed = allowed[:, :vocab]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    if len(rows) == logits.shape[0]:  # rows are ascending and distinct: every row
+        return torch.where(allowed, logits, float("-inf"))
     logits = logits.clone()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    logits[rows] = torch.where(allowed, logits[rows], float("-inf"))
     return logits
 
 
