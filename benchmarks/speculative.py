@@ -7,11 +7,14 @@ On the bundled demo model (trained on Python's standard library, so drafts mean 
   repeats code the prompt holds (as an edit or a refactoring request does);
 - sharegpt-like: the reference workload's random prompts, where drafts rarely match.
 Each workload runs with and without speculation at each concurrency (a closed loop: a new request as soon as one
-ends), and once more with the batch-size switch-off disabled, to show where drafting stops paying. Printed and
-saved: output tok/s, mean per-token latency (a request's time over its output tokens), the
+ends), and once more with the batch-size switch-off disabled, to show where drafting stops paying. The three
+engines run side by side, one step each in turn, each timed by its own steps (this machine's speed drifts by tens
+of percent over minutes, which made back-to-back runs disagree); ratios are medians over --pairs such runs. Printed
+and saved: output tok/s, mean per-token latency (a request's time over its output tokens), the
 acceptance rate (accepted over drafted tokens), the mean acceptance length (tokens a drafting sequence gained per
 verifying step, the sampled one included), and how many steps the batch-size switch-off left without drafts.
-Structured output: the mean decode-step time at batch 64 with every request under a JSON schema, against none.
+Structured output: the median decode-step time at batch 64 with every request under a JSON schema, against none
+(and with the bitmask filled before the step instead of during the forward pass), the engines again in turn.
 Results: benchmarks/results/speculative.{json,png}.
 """
 from __future__ import annotations
@@ -61,55 +64,94 @@ def copy_heavy_prompts(tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-def run(model: str, prompts: list[list[int]], max_tokens: int, concurrency: int, spec: dict | None) -> dict:
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model, speculative_config=spec, seed=0))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    todo, started, latency, tokens = list(range(len(prompts))), {}, [], {}
-    idle_steps = 0
-    t0 = time.perf_counter()
-    while todo or engine.has_unfinished_requests():
-        while todo and len(started) - len(latency) < concurrency:
-            i = todo.pop(0)
-            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params)
-            started[str(i)] = time.perf_counter()
-        drafts_before = engine.core.scheduler.stats.spec_num_drafts
-        for out in engine.step():
+class _ClosedLoop:
+    """One engine serving ``prompts`` at a fixed concurrency, timed by its own clock: the time spent in its steps."""
+
+    def __init__(self, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
+                 spec: dict | None) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, speculative_config=spec, seed=0))
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.prompts, self.concurrency, self.spec = prompts, concurrency, spec
+        self.todo, self.started, self.latency, self.tokens = list(range(len(prompts))), {}, [], {}
+        self.clock = 0.0
+        self.idle_steps = 0
+
+    def done(self) -> bool:
+        return not self.todo and not self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        while self.todo and len(self.started) - len(self.latency) < self.concurrency:
+            i = self.todo.pop(0)
+            self.engine.add_request(str(i), {"prompt_token_ids": self.prompts[i]}, self.params)
+            self.started[str(i)] = self.clock
+        drafts_before = self.engine.core.scheduler.stats.spec_num_drafts
+        outs = self.engine.step()
+        self.clock += time.perf_counter() - t0
+        for out in outs:
             if out.finished:
                 n = len(out.outputs[0].token_ids)
-                latency.append((time.perf_counter() - started[out.request_id]) / n)
-                tokens[out.request_id] = out.outputs[0].token_ids
-        if spec and engine.core.scheduler.stats.spec_num_drafts == drafts_before:
-            idle_steps += 1
-    elapsed = time.perf_counter() - t0
-    st = engine.core.get_stats()
-    engine.core.shutdown()
-    drafting_steps = max(st.spec_num_drafts, 1)
-    return {"concurrency": concurrency, "speculative": spec is not None,
-            "output_tok_s": sum(len(t) for t in tokens.values()) / elapsed,
-            "mean_token_latency_ms": 1e3 * statistics.mean(latency),
-            "acceptance_rate": st.spec_num_accepted_tokens / max(st.spec_num_draft_tokens, 1),
-            "mean_acceptance_length": (st.spec_num_accepted_tokens + st.spec_num_drafts) / drafting_steps,
-            "accepted_per_position": st.spec_accepted_per_pos, "steps_without_drafts": idle_steps,
-            "tokens": tokens}
+                self.latency.append((self.clock - self.started[out.request_id]) / n)
+                self.tokens[out.request_id] = out.outputs[0].token_ids
+        if self.spec and self.engine.core.scheduler.stats.spec_num_drafts == drafts_before:
+            self.idle_steps += 1
+
+    def result(self) -> dict:
+        st = self.engine.core.get_stats()
+        self.engine.core.shutdown()
+        drafting_steps = max(st.spec_num_drafts, 1)
+        return {"concurrency": self.concurrency, "speculative": self.spec is not None,
+                "output_tok_s": sum(len(t) for t in self.tokens.values()) / self.clock,
+                "mean_token_latency_ms": 1e3 * statistics.mean(self.latency),
+                "acceptance_rate": st.spec_num_accepted_tokens / max(st.spec_num_draft_tokens, 1),
+                "mean_acceptance_length": (st.spec_num_accepted_tokens + st.spec_num_drafts) / drafting_steps,
+                "accepted_per_position": st.spec_accepted_per_pos, "steps_without_drafts": self.idle_steps,
+                "tokens": self.tokens}
 
 
-def step_time(model: str, prompts: list[list[int]], constrained: bool, batch: int = 64, steps: int = 30) -> dict:
-    """Median engine-step time (schedule + execute + update) once ``batch`` requests decode together, and the
-    structured-output parts of it: the scheduler's bitmask fill and the sampler's masking (inside execute)."""
+def run(model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
+        specs: dict[str, dict | None]) -> dict[str, dict]:
+    """Each configuration in ``specs`` on its own engine, the engines taking one step each in turn, so that this
+    machine's drift (tens of percent over minutes) hits them alike; each is timed by the time its own steps take."""
+    loops = {k: _ClosedLoop(model, prompts, max_tokens, concurrency, spec) for k, spec in specs.items()}
+    while not all(loop.done() for loop in loops.values()):
+        for loop in loops.values():
+            if not loop.done():
+                loop.step()
+    return {k: loop.result() for k, loop in loops.items()}
+
+
+def median_run(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda r: r["mean_token_latency_ms"])[len(runs) // 2]
+
+
+STEP_KINDS = {"plain": (False, True), "constrained": (True, True), "fill not overlapped": (True, False)}
+
+
+def step_times(model: str, prompts: list[list[int]], batch: int = 64, steps: int = 40) -> dict[str, dict]:
+    """Engine-step times (schedule + execute + update) once ``batch`` requests decode together, for each kind in
+    STEP_KINDS (constrained or not, bitmask fill overlapped with the forward pass or not). The engines step in
+    turn, one step each, so this machine's drift hits them alike. Also the structured-output parts: the bitmask
+    fill and the sampler's masking (inside execute), per step."""
     import pagedserve.worker.model_runner as runner_mod
     import pagedserve.worker.sampler as sampler_mod
 
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model, seed=0))
-    so = StructuredOutputsParams(json=SCHEMA) if constrained else None
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=not constrained,
-                            structured_outputs=so)
-    for i in range(batch):
-        engine.add_request(str(i), {"prompt_token_ids": prompts[i % len(prompts)][:64]}, params)
-    core = engine.core
-    while len(core.scheduler.running) < batch or any(s.num_computed_tokens < s.num_tokens - 1
-                                                     for r in core.scheduler.running for s in r.seqs):
-        engine.step()
-    spent = {"bitmask": 0.0, "mask": 0.0}
+    engines, spent = {}, {}
+    for kind, (constrained, overlap) in STEP_KINDS.items():
+        engine = LLMEngine.from_engine_args(EngineArgs(model=model, seed=0))
+        so = StructuredOutputsParams(json=SCHEMA) if constrained else None
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=not constrained,
+                                structured_outputs=so)
+        for i in range(batch):
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i % len(prompts)][:64]}, params)
+        core = engine.core
+        core.scheduler.overlap_grammar_bitmask = overlap
+        while len(core.scheduler.running) < batch or any(s.num_computed_tokens < s.num_tokens - 1
+                                                         for r in core.scheduler.running for s in r.seqs):
+            engine.step()
+        engines[kind], spent[kind] = engine, {"bitmask": 0.0, "mask": 0.0}
+
+    current = [""]
 
     def timed(key, fn):
         def wrapper(*a, **kw):
@@ -117,27 +159,30 @@ def step_time(model: str, prompts: list[list[int]], constrained: bool, batch: in
             try:
                 return fn(*a, **kw)
             finally:
-                spent[key] += time.perf_counter() - t
+                spent[current[0]][key] += time.perf_counter() - t
         return wrapper
 
-    structured = core.scheduler.structured
-    structured.bitmask = timed("bitmask", structured.bitmask)
-    apply = sampler_mod.apply_token_bitmask
+    for engine in engines.values():
+        structured = engine.core.scheduler.structured
+        structured._fill = timed("bitmask", structured._fill)
+    apply, unpack = sampler_mod.apply_token_bitmask, runner_mod.unpack_token_bitmask
     sampler_mod.apply_token_bitmask = timed("mask", apply)
-    unpack = runner_mod.unpack_token_bitmask
     runner_mod.unpack_token_bitmask = timed("mask", unpack)
-    times = []
+    times: dict[str, list[float]] = {k: [] for k in engines}
     try:
         for _ in range(steps):
-            engine.step()
-            s = core.last_step
-            if s is not None and s.num_running == batch:
-                times.append(s.schedule + s.execute + s.update)
+            for kind, engine in engines.items():
+                current[0] = kind
+                engine.step()
+                s = engine.core.last_step
+                if s is not None and s.num_running == batch:
+                    times[kind].append(s.schedule + s.execute + s.update)
     finally:
-        sampler_mod.apply_token_bitmask = apply
-        runner_mod.unpack_token_bitmask = unpack
-        core.shutdown()
-    return {"step_s": statistics.median(times), "bitmask_s": spent["bitmask"] / steps, "mask_s": spent["mask"] / steps}
+        sampler_mod.apply_token_bitmask, runner_mod.unpack_token_bitmask = apply, unpack
+        for engine in engines.values():
+            engine.core.shutdown()
+    return {k: {"step_s": statistics.median(times[k]), "steps": len(times[k]), "bitmask_s": spent[k]["bitmask"] / steps,
+                "mask_s": spent[k]["mask"] / steps} for k in engines}
 
 
 def main() -> None:
@@ -157,16 +202,19 @@ def main() -> None:
         for c in args.concurrency:
             configs = {"off": None, "on": SPEC, "always": dict(SPEC, disable_by_batch_size=1 << 30)}
             runs: dict[str, list[dict]] = {k: [] for k in configs}
-            for _ in range(args.pairs):  # alternating, best of the pairs: this machine's speed drifts by +-30%
-                for k, spec_cfg in configs.items():
-                    runs[k].append(run(model, prompts, args.max_tokens, c, spec_cfg))
-            base, spec, always = (min(runs[k], key=lambda r: r["mean_token_latency_ms"]) for k in configs)
+            for _ in range(args.pairs):  # the median of the ratios of interleaved runs
+                for k, r in run(model, prompts, args.max_tokens, c, configs).items():
+                    runs[k].append(r)
+            base, spec, always = (median_run(runs[k]) for k in configs)
             want = runs["off"][0]["tokens"]
             assert all(r.pop("tokens") == want for rs in runs.values() for r in rs), "speculation changed tokens"
             row = {"workload": name, "concurrency": c, "off": base, "on": spec, "never_switched_off": always,
-                   "latency_ratio": base["mean_token_latency_ms"] / spec["mean_token_latency_ms"],
-                   "throughput_ratio": spec["output_tok_s"] / base["output_tok_s"],
-                   "throughput_ratio_never_switched_off": always["output_tok_s"] / base["output_tok_s"]}
+                   "latency_ratio": statistics.median(o["mean_token_latency_ms"] / s["mean_token_latency_ms"]
+                                                      for o, s in zip(runs["off"], runs["on"])),
+                   "throughput_ratio": statistics.median(s["output_tok_s"] / o["output_tok_s"]
+                                                         for o, s in zip(runs["off"], runs["on"])),
+                   "throughput_ratio_never_switched_off": statistics.median(
+                       a["output_tok_s"] / o["output_tok_s"] for o, a in zip(runs["off"], runs["always"]))}
             rows.append(row)
             print(f"{name:13s} c={c:<3d} off {base['output_tok_s']:7.1f} tok/s {base['mean_token_latency_ms']:6.2f} "
                   f"ms/token | on {spec['output_tok_s']:7.1f} tok/s {spec['mean_token_latency_ms']:6.2f} ms/token, "
@@ -174,16 +222,18 @@ def main() -> None:
                   f"{spec['steps_without_drafts']} steps without drafts | latency x{row['latency_ratio']:.2f}, "
                   f"throughput x{row['throughput_ratio']:.2f} (never switched off: "
                   f"x{row['throughput_ratio_never_switched_off']:.2f})", flush=True)
-    pairs = [(step_time(model, copy, False), step_time(model, copy, True)) for _ in range(3)]  # alternating
-    plain = min(p["step_s"] for p, _ in pairs)
-    constrained = min(c["step_s"] for _, c in pairs)
-    parts = min((c["bitmask_s"] + c["mask_s"] for _, c in pairs))
+    runs = [step_times(model, copy) for _ in range(args.pairs + 1)]
+    plain, constrained, serial = (statistics.median(r[k]["step_s"] for r in runs) for k in STEP_KINDS)
+    fill = statistics.median(r["constrained"]["bitmask_s"] for r in runs)
+    mask = statistics.median(r["constrained"]["mask_s"] for r in runs)
     structured = {"batch": 64, "plain_step_ms": 1e3 * plain, "constrained_step_ms": 1e3 * constrained,
-                  "overhead": constrained / plain - 1, "bitmask_and_mask_ms": 1e3 * parts,
-                  "bitmask_and_mask_share_of_plain_step": parts / plain}
-    print(f"structured output at batch 64: step {1e3 * plain:.2f} ms -> {1e3 * constrained:.2f} ms "
-          f"({structured['overhead']:+.1%}); bitmask fill + masking {1e3 * parts:.2f} ms a step "
-          f"({parts / plain:.1%} of an unconstrained step)")
+                  "overhead": constrained / plain - 1, "bitmask_fill_ms": 1e3 * fill, "masking_ms": 1e3 * mask,
+                  "masking_share_of_plain_step": mask / plain, "constrained_step_ms_fill_not_overlapped": 1e3 * serial,
+                  "overhead_fill_not_overlapped": serial / plain - 1, "runs": runs}
+    print(f"structured output at batch 64 (median of {len(runs)} interleaved runs): step {1e3 * plain:.2f} ms -> "
+          f"{1e3 * constrained:.2f} ms ({structured['overhead']:+.1%}); bitmask fill {1e3 * fill:.2f} ms on a thread "
+          f"during the forward pass, masking {1e3 * mask:.2f} ms ({mask / plain:.1%} of an unconstrained step); "
+          f"fill not overlapped: {1e3 * serial:.2f} ms ({structured['overhead_fill_not_overlapped']:+.1%})")
     path = save_results("speculative", {"spec": SPEC, "rows": rows, "structured": structured,
                                         "schema": json.dumps(SCHEMA)})
     plot(rows, path.replace(".json", ".png"))

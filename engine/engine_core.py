@@ -7,6 +7,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
@@ -68,6 +69,7 @@ class EngineCore:
         structured = StructuredOutputManager(
             lambda: guidance_tokenizer(load_tokenizer(mc.tokenizer), mc.vocab_size, mc.eos_token_ids), mc.vocab_size)
         self.scheduler = Scheduler(config.scheduler_config, cc, config.speculative_config, structured)
+        self.scheduler.overlap_grammar_bitmask = self.executor.in_process
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self.last_step: StepStats | None = None
@@ -169,6 +171,9 @@ class EngineCore:
         except WorkerFailedError as e:
             logger.error("%s; rebuilding the worker group, the requests in flight start over on it", e)
             return self._recover(e)
+        finally:
+            if isinstance(sched.grammar_bitmask, Future):  # the matchers may not change while it is filled
+                wait([sched.grammar_bitmask])
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(sched, result)
         self.last_step = StepStats(num_running, sched.total_num_scheduled_tokens, t1 - t0, t2 - t1,

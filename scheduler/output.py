@@ -5,6 +5,7 @@ after that only the newly sampled token and newly allocated blocks do (``CachedS
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,7 +54,8 @@ class SchedulerOutput:
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # Structured output: one int32 bitmask row (bit t: token t allowed) per constrained sampling row, and each
     # constrained sequence's first row (its forks share row 0; row j of a drafting sequence follows j drafts).
-    grammar_bitmask: np.ndarray | None = None
+    # A Future when the runner is in the engine's process: filled while the forward pass runs.
+    grammar_bitmask: np.ndarray | Future[np.ndarray] | None = None
     grammar_rows: dict[int, int] = field(default_factory=dict)
 
     @property

@@ -67,6 +67,7 @@ class Scheduler:
         self.beam = BeamSearcher(self)
         self.stats = SchedulerStats()
         self._constrained_rows: list[tuple[int, list[int]]] = []  # this step's (seq id, drafts) under a grammar
+        self.overlap_grammar_bitmask = False  # set by the engine core when the runner is in this process
         self._errored: list[tuple[Request, str]] = []  # ended in schedule(), reported by the next update
 
     def next_seq_id(self) -> int:
@@ -275,7 +276,8 @@ class Scheduler:
             budget -= self._schedule_request(out, req, self._admit_tokens(req, budget))
 
         if self._constrained_rows:
-            out.grammar_bitmask, out.grammar_rows = self.structured.bitmask(self._constrained_rows)
+            out.grammar_bitmask, out.grammar_rows = self.structured.bitmask(self._constrained_rows,
+                                                                            self.overlap_grammar_bitmask)
             self._constrained_rows = []
         out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, set()
         self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens

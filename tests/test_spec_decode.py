@@ -4,12 +4,14 @@ distribution, rejected drafts' KV released exactly, and the acceptance counters 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.scheduler.spec_decode import propose_ngram
 from pagedserve.tests.utils import ARCHS, assert_all_blocks_free, random_prompts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -98,3 +100,24 @@ def test_sampled_distribution_is_the_models(model_factory):
         expected = probs[which].sum(dim=0)
         counts = torch.bincount(samples[:, pos], minlength=8).double()
         assert _chi2_below_p001(counts, expected), (pos, counts.tolist(), expected.tolist())
+
+
+def _propose_reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, one window at a time: the longest suffix that occurred before, its latest occurrence."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start: start + n] == suffix:
+                return tokens[start + n: start + n + k]
+    return []
+
+
+def test_propose_ngram_matches_its_definition():
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice([2, 3, 5, 50])) for _ in range(rng.randrange(0, 40))]
+        min_n = rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 6)
+        k = rng.randrange(0, 6)
+        want = _propose_reference(tokens, min_n, max_n, k) if k else []
+        assert propose_ngram(tokens, min_n, max_n, k) == want, (tokens, min_n, max_n, k)

@@ -81,7 +81,7 @@ def test_sampled_outputs_satisfy_the_constraint(llm, kind):
     assert_all_blocks_free(llm)
 
 
-def test_unconstrained_neighbours_unchanged_and_n_gt_1(llm):
+def test_unconstrained_neighbours_unchanged_n_gt_1_and_fill_overlap(llm):
     prompts = random_prompts(6, seed=3)
     free = [SamplingParams(temperature=t, seed=11 + i, max_tokens=24) for i, t in enumerate([0, 0, 0.9, 0.9, 0, 1])]
     alone = llm.generate(prompts, free, use_tqdm=False)
@@ -89,6 +89,14 @@ def test_unconstrained_neighbours_unchanged_and_n_gt_1(llm):
                    for i, so in enumerate(CONSTRAINTS.values())]
     mixed = llm.generate(prompts + random_prompts(len(constrained), seed=4), free + constrained, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[:6]] == [o.outputs[0].token_ids for o in alone]
+    scheduler = llm.llm_engine.core.scheduler
+    assert scheduler.overlap_grammar_bitmask  # in-process runner: filled during the forward pass
+    scheduler.overlap_grammar_bitmask = False  # as for Ray workers: filled before the step is sent
+    try:
+        serial = llm.generate(prompts + random_prompts(len(constrained), seed=4), free + constrained, use_tqdm=False)
+    finally:
+        scheduler.overlap_grammar_bitmask = True
+    assert [[c.token_ids for c in o.outputs] for o in serial] == [[c.token_ids for c in o.outputs] for o in mixed]
     for kind, out in zip(CONSTRAINTS, mixed[6:]):
         assert len(out.outputs) == 3
         for c in out.outputs:

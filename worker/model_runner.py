@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -205,7 +206,10 @@ class ModelRunner:
             md.output_tokens = _pad([r.state.token_ids[r.state.prompt_len:] + r.drafts for r in rows], dev)
         masked = [i for i, r in enumerate(rows) if r.mask_row >= 0]
         if masked:
-            allowed = unpack_token_bitmask(sched.grammar_bitmask[[rows[i].mask_row for i in masked]])
+            bitmask = sched.grammar_bitmask
+            if isinstance(bitmask, Future):
+                bitmask = bitmask.result()
+            allowed = unpack_token_bitmask(bitmask[[rows[i].mask_row for i in masked]])
             md.allowed = (torch.tensor(masked, device=dev), allowed.to(dev))
         banned_rows, toks = [], []
         for i, r in enumerate(rows):

@@ -11,6 +11,8 @@ class Executor(ABC):
     """Runs steps on the model workers (TP ranks). ``execute_model`` raises ``WorkerFailedError`` when a worker
     died; the engine core then replaces the whole executor."""
 
+    in_process = False  # the runner shares the engine core's process (and may take Futures in SchedulerOutput)
+
     @abstractmethod
     def determine_num_blocks(self) -> int:
         """KV-cache blocks every rank can hold."""

@@ -8,6 +8,8 @@ from pagedserve.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
+    in_process = True
+
     def __init__(self, config: EngineConfig) -> None:
         if config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("the in-process executor runs tensor_parallel_size=1 only; "
