@@ -133,7 +133,6 @@ def step_times(model: str, prompts: list[list[int]], batch: int = 64, steps: int
     STEP_KINDS (constrained or not, bitmask fill overlapped with the forward pass or not). The engines step in
     turn, one step each, so this machine's drift hits them alike. Also the structured-output parts: the bitmask
     fill and the sampler's masking (inside execute), per step."""
-    import pagedserve.worker.model_runner as runner_mod
     import pagedserve.worker.sampler as sampler_mod
 
     engines, spent = {}, {}
@@ -165,9 +164,8 @@ def step_times(model: str, prompts: list[list[int]], batch: int = 64, steps: int
     for engine in engines.values():
         structured = engine.core.scheduler.structured
         structured._fill = timed("bitmask", structured._fill)
-    apply, unpack = sampler_mod.apply_token_bitmask, runner_mod.unpack_token_bitmask
+    apply = sampler_mod.apply_token_bitmask
     sampler_mod.apply_token_bitmask = timed("mask", apply)
-    runner_mod.unpack_token_bitmask = timed("mask", unpack)
     times: dict[str, list[float]] = {k: [] for k in engines}
     try:
         for _ in range(steps):
@@ -178,7 +176,7 @@ def step_times(model: str, prompts: list[list[int]], batch: int = 64, steps: int
                 if s is not None and s.num_running == batch:
                     times[kind].append(s.schedule + s.execute + s.update)
     finally:
-        sampler_mod.apply_token_bitmask, runner_mod.unpack_token_bitmask = apply, unpack
+        sampler_mod.apply_token_bitmask = apply
         for engine in engines.values():
             engine.core.shutdown()
     return {k: {"step_s": statistics.median(times[k]), "steps": len(times[k]), "bitmask_s": spent[k]["bitmask"] / steps,

@@ -1,4 +1,5 @@
-"""Fused element-wise CPU kernels in C++: RMSNorm (with the residual add), SiLU-and-mul, rotary, KV-cache writes.
+"""Fused element-wise CPU kernels in C++: RMSNorm (with the residual add), SiLU-and-mul, rotary, KV-cache writes,
+and structured output's token bitmask on the logits.
 
 Each replaces a chain of torch ops (and their temporaries) with one pass over the rows, parallel over rows. Math
 is fp32; bf16 tensors are widened on load and rounded (to nearest even) where Hugging Face's bf16 modules round:
@@ -154,6 +155,42 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_c
   }
 }
 
+// Structured output: logits[rows[i], t] = -inf where bit t % 32 of bitmask[i][t / 32] is clear (llguidance's
+// layout), and for t past the mask's 32 W bits. Reads the packed words: torch.where on the unpacked bools took
+// 0.6-1.2 ms at 64 x 4096 on a 2-core EPYC.
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.stride(1) == 1);
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && bitmask.scalar_type() == torch::kInt && bitmask.dim() == 2);
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == bitmask.size(0));
+  auto rows_c = rows.contiguous();
+  auto mask_c = bitmask.contiguous();
+  const int64_t* rp = rows_c.data_ptr<int64_t>();
+  const int64_t R = rows_c.size(0), V = logits.size(1), W = mask_c.size(1), covered = std::min(V, 32 * W);
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < logits.size(0), "bitmask row out of range");
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(mask_c.data_ptr<int32_t>());
+  float* lp = logits.data_ptr<float>();
+  const int64_t ls = logits.stride(0);
+  at::parallel_for(0, R, grain(V), [=](int64_t begin, int64_t end) {
+    // By value: a store through the row may not alias what the loop reads, or the select stays scalar.
+    constexpr float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = lp + rp[i] * ls;
+      const uint32_t* words = mp + i * W;
+      for (int64_t t0 = 0; t0 < covered; t0 += 32) {
+        const uint32_t bits = words[t0 / 32];
+        float* x = row + t0;
+        if (bits == 0xffffffffu) continue;
+        if (t0 + 32 <= covered) {
+          for (int b = 0; b < 32; ++b) x[b] = ((bits >> b) & 1u) ? x[b] : ninf;  // a vector select
+        } else {
+          for (int64_t b = 0; b < covered - t0; ++b) x[b] = ((bits >> b) & 1u) ? x[b] : ninf;
+        }
+      }
+      for (int64_t t = covered; t < V; ++t) row[t] = ninf;
+    }
+  });
+}
+
 }  // namespace ps
 """
 
@@ -163,6 +200,7 @@ FUNCTIONS = {
     "silu_and_mul": "ps::silu_and_mul",
     "rotary": "ps::rotary",
     "reshape_and_cache": "ps::reshape_and_cache",
+    "apply_token_bitmask": "ps::apply_token_bitmask",
 }
 
 
@@ -198,3 +236,10 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     cpu_extension.load().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``torch_ref.apply_token_bitmask`` on fp32 CPU logits: a copy, masked in place from the packed words."""
+    out = logits.clone()
+    cpu_extension.load().apply_token_bitmask(out, rows, bitmask)
+    return out

@@ -129,3 +129,17 @@ def swap_blocks(
     s = block_mapping[:, 0].long().to(src.device)
     d = block_mapping[:, 1].long().to(dst.device)
     dst[d] = src[s].to(dst.device)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured output's mask, as a new tensor: for each i, -inf in ``logits[rows[i]]`` at every token t whose
+    bit is clear (bit t % 32 of int32 word ``bitmask[i, t // 32]``, llguidance's layout) and at the tokens past the
+    mask's 32 W bits; other rows are untouched."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(2) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = F.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    out = logits.clone()
+    out[rows] = torch.where(allowed, logits[rows], float("-inf"))
+    return out

@@ -221,19 +221,30 @@ def test_prompt_logprobs_bypass_a_warm_prefix_cache(llama_dir):
 
 def test_token_bitmask_bits_and_rows():
     """Bit t of int32 word t // 32 allows token t (llguidance's layout); unlisted rows are untouched; tokens past
-    the mask's width are not allowed."""
+    the mask's width are not allowed, bits past the vocabulary are ignored. The torch reference, the C++ kernel and
+    the sampler's choice between them all follow that definition, and none writes into its input."""
     import numpy as np
 
-    from pagedserve.worker.sampler import apply_token_bitmask, unpack_token_bitmask
+    from pagedserve.kernels import cpu_extension, cpu_fused, torch_ref
+    from pagedserve.worker.sampler import apply_token_bitmask
 
+    impls = [torch_ref.apply_token_bitmask, apply_token_bitmask]
+    if cpu_extension.load() is not None:
+        impls.append(cpu_fused.apply_token_bitmask)
     vocab = 331
     rng = np.random.default_rng(0)
-    mask = rng.integers(-2**31, 2**31, size=(3, 10), dtype=np.int64).astype(np.int32)  # 320 bits < 331
-    logits = torch.randn(5, vocab)
-    rows = torch.tensor([0, 2, 4])
-    out = apply_token_bitmask(logits, rows, unpack_token_bitmask(mask))
-    for i, r in enumerate(rows.tolist()):
-        want = [t < 320 and (int(mask[i, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)]
-        assert (out[r] != float("-inf")).tolist() == want
-    assert torch.equal(out[[1, 3]], logits[[1, 3]])
-    assert torch.equal(apply_token_bitmask(logits[rows], torch.arange(3), unpack_token_bitmask(mask)), out[rows])
+    for words in (10, 12):  # 320 bits < 331 < 384
+        mask = rng.integers(-2**31, 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
+        mask[1, 2] = -1  # a word allowing all 32 tokens
+        logits = torch.randn(5, vocab)
+        before = logits.clone()
+        rows = torch.tensor([0, 2, 4])
+        for impl in impls:
+            out = impl(logits, rows, torch.from_numpy(mask))
+            assert torch.equal(logits, before)
+            for i, r in enumerate(rows.tolist()):
+                want = [t < 32 * words and (int(mask[i, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)]
+                assert (out[r] != float("-inf")).tolist() == want
+                assert torch.equal(out[r][torch.tensor(want)], logits[r][torch.tensor(want)])
+            assert torch.equal(out[[1, 3]], logits[[1, 3]])
+            assert torch.equal(impl(logits[rows], torch.arange(3), torch.from_numpy(mask)), out[rows])

@@ -16,7 +16,7 @@ from pagedserve.worker.forward_context import AttentionMetadata, set_forward_con
 from pagedserve.worker.layers.attention import Attention
 from pagedserve.worker.layers.cpu_linear import pack_linears
 from pagedserve.worker.models.loader import load_model
-from pagedserve.worker.sampler import SamplingMetadata, sample, unpack_token_bitmask
+from pagedserve.worker.sampler import SamplingMetadata, sample
 
 
 @dataclass
@@ -209,8 +209,8 @@ class ModelRunner:
             bitmask = sched.grammar_bitmask
             if isinstance(bitmask, Future):
                 bitmask = bitmask.result()
-            allowed = unpack_token_bitmask(bitmask[[rows[i].mask_row for i in masked]])
-            md.allowed = (torch.tensor(masked, device=dev), allowed.to(dev))
+            words = torch.from_numpy(bitmask[[rows[i].mask_row for i in masked]])
+            md.token_bitmask = (torch.tensor(masked, device=dev), words.to(dev))
         banned_rows, toks = [], []
         for i, r in enumerate(rows):
             p = r.state.params

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+
+from pagedserve.kernels import cpu_extension, cpu_fused, torch_ref
 
 _MASK32 = 0xFFFFFFFF
 
@@ -45,8 +46,8 @@ class SamplingMetadata:
     output_tokens: torch.Tensor | None = None  # [B, Lo]
     # (row, token id) pairs banned this step (stop tokens before min_tokens is reached).
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Structured output: (rows, allowed tokens [R, >= V] as bools; see unpack_token_bitmask).
-    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Structured output: (rows, their int32 token bitmasks [R, W]; see torch_ref.apply_token_bitmask).
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int = -1  # -1: no row wants logprobs
 
 
@@ -97,30 +98,18 @@ def _filter(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)
 
 
-def unpack_token_bitmask(bitmask: np.ndarray) -> torch.Tensor:
-    """int32 bitmask rows [R, W] (bit t of word t // 32: token t allowed) as bools [R, 32 W], unpacked in C."""
-    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")
-    return torch.from_numpy(bits.view(np.bool_))
-
-
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """-inf for the tokens of ``rows`` not ``allowed`` (bools [len(rows), >= 0]); tokens past its width are not."""
-    vocab = logits.shape[1]
-    allowed = allowed[:, :vocab]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    if len(rows) == logits.shape[0]:  # rows are ascending and distinct: every row
-        return torch.where(allowed, logits, float("-inf"))
-    logits = logits.clone()
-    logits[rows] = torch.where(allowed, logits[rows], float("-inf"))
-    return logits
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """See ``torch_ref.apply_token_bitmask``; the C++ kernel for fp32 CPU logits."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_extension.load() is not None:
+        return cpu_fused.apply_token_bitmask(logits, rows, bitmask)
+    return torch_ref.apply_token_bitmask(logits, rows, bitmask)
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = logits.float()
     raw = logits
-    if md.allowed is not None:
-        logits = apply_token_bitmask(logits, *md.allowed)
+    if md.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, *md.token_bitmask)
     if md.repetition_penalty is not None:
         logits = apply_penalties(logits, md)
     if md.banned is not None:
