@@ -266,8 +266,8 @@ def actor_direct_pairs(model_dir: str, wl: Workload, max_num_seqs: int, device: 
     return out
 
 
-def median_loss(pairs: list[dict], key: str) -> dict:
-    losses = [1 - p[key] / p["offline_output_tok_s"] for p in pairs]
+def median_loss(pairs: list[dict], key: str, offline_key: str = "offline_output_tok_s") -> dict:
+    losses = [1 - p[key] / p[offline_key] for p in pairs]
     return {"median": statistics.median(losses), "min": min(losses), "max": max(losses)}
 
 
@@ -441,28 +441,35 @@ def main() -> None:
             prom.stop()
             prom = None
         print(f"{' and '.join(args.protocols)} at infinite rate (no Prometheus) vs offline, {args.pairs} pairs:")
+        # Offline runs between the served ones, each served run against the mean of its two neighbours, the
+        # protocols' order alternating: this machine drifts by 30-50% over minutes.
+        offline_runs = [offline.run(fresh_tokens(wl, 100))]
         for k in range(args.pairs):
             pair = {}
-            for j, protocol in enumerate(args.protocols):
+            for protocol in args.protocols if k % 2 == 0 else args.protocols[::-1]:
+                j = args.protocols.index(protocol)
                 before = cpu_seconds(server.proc.pid)
                 res = summarize(server.run(protocol, fresh_tokens(wl, 100 + k + 1000 * j), math.inf), math.inf)
                 after = cpu_seconds(server.proc.pid)
+                offline_runs.append(offline.run(fresh_tokens(wl, 100 + len(offline_runs))))
                 pair[f"{protocol}_output_tok_s"], pair[f"{protocol}_failed"] = res["output_tok_s"], res["failed"]
+                pair[f"{protocol}_offline_output_tok_s"] = statistics.mean(offline_runs[-2:])
                 pair[f"{protocol}_cpu_s_per_1k_tokens"] = {
                     part: 1e3 * (after[part] - before.get(part, 0.0)) / wl.num_output_tokens for part in after}
-            pair["offline_output_tok_s"] = offline.run(fresh_tokens(wl, 100 + k))
             pairs.append(pair)
-            print(f"  pair {k}: " + ", ".join(f"{p} {pair[f'{p}_output_tok_s']:.1f}" for p in args.protocols)
-                  + f", offline {pair['offline_output_tok_s']:.1f} out tok/s; CPU s per 1k output tokens: "
+            print(f"  pair {k}: " + ", ".join(f"{p} {pair[f'{p}_output_tok_s']:.1f} (offline beside it "
+                                             f"{pair[f'{p}_offline_output_tok_s']:.1f})" for p in args.protocols)
+                  + " out tok/s; CPU s per 1k output tokens: "
                   + "; ".join(f"{p} {fmt_cpu(pair[f'{p}_cpu_s_per_1k_tokens'])}" for p in args.protocols))
     finally:
         if prom is not None:
             prom.stop()
         server.stop()
     actor = median_loss(direct, "actor_direct_output_tok_s")
-    overhead = {"pairs": args.pairs, "vs_offline": pairs, "actor_direct_vs_offline": direct, "ray_actor_loss": actor}
+    overhead = {"pairs": args.pairs, "vs_offline": pairs, "offline_runs": offline_runs,
+                "actor_direct_vs_offline": direct, "ray_actor_loss": actor}
     for protocol in args.protocols:
-        loss = median_loss(pairs, f"{protocol}_output_tok_s")
+        loss = median_loss(pairs, f"{protocol}_output_tok_s", f"{protocol}_offline_output_tok_s")
         overhead[f"{protocol}_throughput_loss"] = loss
         # what the gateway and the protocol add on top of the Ray-hosted engine
         overhead[f"{protocol}_gateway_loss"] = 1 - (1 - loss["median"]) / (1 - actor["median"])
@@ -479,7 +486,7 @@ def main() -> None:
     if args.vllm:
         vllm = run_vllm(model_dir, wl, args.rates, args.max_num_seqs, args.out)
 
-    base = statistics.mean(p["offline_output_tok_s"] for p in pairs + direct)
+    base = statistics.mean(offline_runs + [p["offline_output_tok_s"] for p in direct])
     results = {"model": args.model, "device": args.device, "requests": len(wl.prompts),
                "prompt_tokens": wl.num_prompt_tokens, "output_tokens": wl.num_output_tokens,
                "offline": {"output_tok_s": base},
