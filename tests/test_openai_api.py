@@ -440,6 +440,7 @@ def test_structured_outputs_over_http_and_grpc(server, client, offline):
     want = {k: offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so),
                                 use_tqdm=False)[0].outputs[0]
             for k, so in [("json", StructuredOutputsParams(json=schema)),
+                          ("compact", StructuredOutputsParams(json=schema, disable_any_whitespace=True)),
                           ("regex", StructuredOutputsParams(regex=regex))]}
     assert want["regex"].finish_reason == "stop" and re.fullmatch(regex, want["regex"].text)
     by_format = client.completions.create(
@@ -463,10 +464,13 @@ def test_structured_outputs_over_http_and_grpc(server, client, offline):
     async def grpc_calls():
         async with AsyncClient(server.target) as g:
             ok = await g.generate(prompt, max_tokens=60, temperature=0.0, structured_outputs={"regex": regex})
+            compact = await g.generate(prompt, max_tokens=60, temperature=0.0,
+                                       structured_outputs={"json": schema, "disable_any_whitespace": True})
             with pytest.raises(grpc.aio.AioRpcError) as bad:
                 await g.generate("x", structured_outputs={"json": '{"type": "nope"}'})
-            return ok, bad.value
+            return ok, compact, bad.value
 
-    ok, bad = asyncio.run(grpc_calls())
+    ok, compact, bad = asyncio.run(grpc_calls())
     assert ok.completions[0].text == want["regex"].text
+    assert list(compact.completions[0].token_ids) == list(want["compact"].token_ids)
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "json" in bad.details()

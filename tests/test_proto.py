@@ -38,3 +38,15 @@ def test_proto_mirrors_sampling_params():
         got = getattr(parsed.params, k)
         assert got == v or abs(got - v) < 1e-6, k
     assert parsed.prompt == "hello" and parsed.stream is False
+
+
+def test_structured_outputs_cross_the_wire():
+    """Each kind, and disable_any_whitespace (vLLM's option for compact JSON), arrive as the engine's params."""
+    cases = [({"json": {"type": "object"}, "disable_any_whitespace": True}, "json", '{"type": "object"}', True),
+             ({"json_object": True}, "json_object", True, False),
+             ({"regex": "a+b"}, "regex", "a+b", False),
+             ({"choice": ["x", "y"]}, "choice", ["x", "y"], False),
+             ({"grammar": 'start: "a"'}, "grammar", 'start: "a"', False)]
+    for so, kind, value, compact in cases:
+        parsed = params_from_proto(build_request("hi", structured_outputs=so)).params.structured_outputs
+        assert (parsed.kind, getattr(parsed, kind), parsed.disable_any_whitespace) == (kind, value, compact)

@@ -32,17 +32,19 @@ def sampling_params_to_proto(**kwargs) -> pb.SamplingParams:
     return msg
 
 
-def structured_outputs_to_proto(**kind) -> pb.StructuredOutputs:
-    """One of json (a schema as a dict or JSON text), json_object, regex, choice (a list) or grammar."""
+def structured_outputs_to_proto(disable_any_whitespace: bool = False, **kind) -> pb.StructuredOutputs:
+    """One of json (a schema as a dict or JSON text), json_object, regex, choice (a list) or grammar; JSON without
+    whitespace beyond the compact form with ``disable_any_whitespace``."""
     unknown = sorted(set(kind) - set(STRUCTURED_OUTPUT_KINDS))
     if unknown or len(kind) != 1:
-        raise TypeError(f"structured_outputs takes exactly one of {STRUCTURED_OUTPUT_KINDS}, got {sorted(kind)}")
+        raise TypeError(f"structured_outputs takes exactly one of {STRUCTURED_OUTPUT_KINDS} (and "
+                        f"disable_any_whitespace), got {sorted(kind)}")
     (name, value), = kind.items()
     if name == "json" and not isinstance(value, str):
         value = json.dumps(value)
     if name == "choice":
-        return pb.StructuredOutputs(choice=pb.ChoiceList(choices=value))
-    return pb.StructuredOutputs(**{name: value})
+        value = pb.ChoiceList(choices=value)
+    return pb.StructuredOutputs(**{name: value}, disable_any_whitespace=disable_any_whitespace)
 
 
 def beam_search_to_proto(beam_width: int, max_tokens: int, ignore_eos: bool = False, length_penalty: float = 1.0,

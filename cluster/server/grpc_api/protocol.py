@@ -40,7 +40,7 @@ def _structured_outputs(so: pb.StructuredOutputs) -> StructuredOutputsParams:
                                   "or grammar")
     value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
     try:
-        return StructuredOutputsParams(**{kind: value})
+        return StructuredOutputsParams(**{kind: value}, disable_any_whitespace=so.disable_any_whitespace)
     except ValueError as e:
         raise InvalidRequestError(f"sampling_params.{e}") from None
 
