@@ -8,7 +8,9 @@ Each dtype in ``--dtypes`` runs on both engines; bf16 only where this CPU has bf
 AVX512-BF16) unless ``--force-bf16``: without them both engines emulate it, and the measured matmul rates below say
 how slow that is. Also measured in the same run: the best fp32 and bf16 matmul rates here, and each engine's model
 FLOP utilization against them. At fp32 both engines must produce the same greedy tokens. Results:
-benchmarks/results/vs_vllm.{json,png}.
+benchmarks/results/vs_vllm.{json,png} (``--out`` names another). ``--vllm-env KEY=VALUE ...`` sets variables for
+vLLM's process only: ``THP_MEM_ALLOC_ENABLE=1`` gives it torch's huge pages under every large allocation, which
+pagedserve uses for its KV cache (worker/hugepages.py).
 """
 from __future__ import annotations
 
@@ -54,12 +56,13 @@ def run_pagedserve(model: str, prompts: list[list[int]], out_lens: list[int], dt
     return {"elapsed_s": dt, "output_tok_s": sum(out_lens) / dt, "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
-def run_vllm(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str, threads: int) -> dict:
+def run_vllm(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str, threads: int,
+             extra_env: dict[str, str]) -> dict:
     with tempfile.TemporaryDirectory() as d:
         wl, out = os.path.join(d, "wl.json"), os.path.join(d, "out.json")
         with open(wl, "w") as f:
             json.dump([{"prompt_token_ids": p, "max_tokens": n} for p, n in zip(prompts, out_lens)], f)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))} | extra_env
         proc = subprocess.run([VLLM_PYTHON, os.path.join(HERE, "vllm_driver.py"), "--model", model, "--workload", wl,
                                "--dtype", dtype, "--out", out, "--threads", str(threads)],
                               env=env, capture_output=True, text=True, timeout=3600)
@@ -77,10 +80,15 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2, help="alternating runs of each engine per workload and dtype")
     ap.add_argument("--requests", type=int, default=None, help="override the workloads' request counts")
     ap.add_argument("--force-bf16", action="store_true")
+    ap.add_argument("--out", default="vs_vllm", help="results name under benchmarks/results/")
+    ap.add_argument("--vllm-env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra environment for vLLM's process only, e.g. THP_MEM_ALLOC_ENABLE=1 (torch's switch "
+                         "for huge pages under every large allocation)")
     args = ap.parse_args()
     if not os.path.exists(VLLM_PYTHON):
         sys.exit("no vLLM venv: run bash benchmarks/setup_vllm_cpu.sh first")
     threads = torch.get_num_threads()
+    vllm_env = dict(kv.split("=", 1) for kv in args.vllm_env)
     flags = cpu_flags()
     bf16_native = sorted(f for f in FAST_CPU_FLAGS[torch.bfloat16] if f in flags)
     peaks = {dt: matmul_peak_flops(getattr(torch, dt)) for dt in ("float32", "bfloat16")}
@@ -101,7 +109,7 @@ def main() -> None:
             runs: dict[str, list[dict]] = {"pagedserve": [], "vllm": []}
             for _ in range(args.pairs):
                 runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype))
-                runs["vllm"].append(run_vllm(model, prompts, out_lens, dtype, threads))
+                runs["vllm"].append(run_vllm(model, prompts, out_lens, dtype, threads, vllm_env))
             best = {k: max(r["output_tok_s"] for r in v) for k, v in runs.items()}
             same = runs["pagedserve"][0]["token_ids"] == runs["vllm"][0]["token_ids"]
             if dtype == "float32":
@@ -116,9 +124,9 @@ def main() -> None:
             print(f"{name:9s} {n:4d} req {dtype:8s}: pagedserve {best['pagedserve']:7.1f} tok/s, vLLM-CPU "
                   f"{best['vllm']:7.1f} tok/s -> x{row['ratio']:.2f} (MFU {row['mfu_pagedserve']:.0%} vs "
                   f"{row['mfu_vllm']:.0%}; same greedy tokens: {same})", flush=True)
-    path = save_results("vs_vllm", {"model": args.model, "threads": threads, "cpu_bf16_instructions": bf16_native,
-                                    "matmul_flops": peaks, "dtypes_skipped": sorted(set(args.dtypes) - set(dtypes)),
-                                    "rows": rows})
+    path = save_results(args.out, {"model": args.model, "threads": threads, "cpu_bf16_instructions": bf16_native,
+                                    "matmul_flops": peaks, "vllm_env": vllm_env,
+                                    "dtypes_skipped": sorted(set(args.dtypes) - set(dtypes)), "rows": rows})
     plot(rows, path.replace(".json", ".png"))
     print("saved", path)
 

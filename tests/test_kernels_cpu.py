@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import cpu_attention, cpu_extension, cpu_fused, get_backend, torch_ref
+from pagedserve.worker.hugepages import HUGE_PAGE, zeros_huge_pages
 from pagedserve.worker.layers.cpu_linear import linear, pack_linears
 from pagedserve.worker.layers.layernorm import RMSNorm
 from pagedserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -174,3 +175,36 @@ def test_packed_linears_match_f_linear_and_keep_tied_weights():
     assert tied.packed_weight is col.packed_weight and tied.weight is col.weight
     torch.testing.assert_close(row(col(x)), want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(linear(tied, x, None), F.linear(x, col.weight), atol=1e-4, rtol=1e-5)
+
+
+def _anon_huge_kib(addr: int) -> int:
+    """AnonHugePages of the mapping holding ``addr`` in this process, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+# 34-69 MiB: above glibc's largest mmap threshold (32 MiB), so a fresh mapping; 320 KiB: an ordinary tensor.
+@pytest.mark.parametrize("blocks", [1100, 10])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_tensors_are_zeroed_and_on_huge_pages(dtype, blocks):
+    shape = (blocks, 16, 8, 64)
+    t = zeros_huge_pages(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.any()
+    t[-1, -1, -1, -1] = 1  # the whole range is writable
+    nbytes = t.numel() * t.element_size()
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = "[never]" not in f.read()
+    except OSError:
+        thp = False
+    if nbytes >= HUGE_PAGE and thp:
+        assert t.data_ptr() % HUGE_PAGE == 0
+        assert _anon_huge_kib(t.data_ptr()) >= HUGE_PAGE // 1024

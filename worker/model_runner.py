@@ -13,6 +13,7 @@ from pagedserve.kernels import get_backend
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
+from pagedserve.worker.hugepages import zeros_huge_pages
 from pagedserve.worker.layers.attention import Attention
 from pagedserve.worker.layers.cpu_linear import pack_linears
 from pagedserve.worker.models.loader import load_model
@@ -87,8 +88,11 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         for layer in self.attn_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            layer.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            if self.device.type == "cpu":
+                layer.k_cache, layer.v_cache = zeros_huge_pages(shape, dtype), zeros_huge_pages(shape, dtype)
+            else:
+                layer.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+                layer.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             self.k_caches.append(layer.k_cache)
             self.v_caches.append(layer.v_cache)
             cpu_shape = (num_cpu_blocks, *shape[1:])
