@@ -1,6 +1,6 @@
 """The C++ CPU kernels against the torch reference: attention (decodes and prefill chunks, fp32 and bf16), fused
-RMSNorm / SiLU-and-mul / rotary / KV writes, and oneDNN-packed linears. bf16 results are checked against the
-reference computed in fp32 from the same bf16 inputs, with bf16 tolerances."""
+RMSNorm / SiLU-and-mul / rotary / KV writes, the fp32 panel GEMM, and packed linears (panels and oneDNN). bf16
+results are checked against the reference computed in fp32 from the same bf16 inputs, with bf16 tolerances."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import cpu_attention, cpu_extension, cpu_fused, get_backend, torch_ref
+from pagedserve.kernels import cpu_attention, cpu_extension, cpu_fused, cpu_gemm, get_backend, torch_ref
 from pagedserve.worker.hugepages import HUGE_PAGE, zeros_huge_pages
-from pagedserve.worker.layers.cpu_linear import linear, pack_linears
+from pagedserve.worker.layers.cpu_linear import linear, pack_linears, panel_gemm_preferred
 from pagedserve.worker.layers.layernorm import RMSNorm
 from pagedserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.worker.layers.rotary import RotaryEmbedding
@@ -160,7 +160,43 @@ def test_rotary_in_place_on_strided_heads(dtype, rotary_dim):
     assert torch.equal(qkv[:, :, 2], v_before)
 
 
-def test_packed_linears_match_f_linear_and_keep_tied_weights():
+# Rows: one tile, a partial tile, and past a 192-row block; K: past a 256-wide k block; N: a partial panel.
+@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (7, 300, 37), (13, 512, 1536), (200, 600, 80)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_gemm_matches_matmul(m, k, n, bias):
+    w, b = torch.randn(n, k), torch.randn(n) if bias else None
+    x = torch.randn(m, k + 5)[:, 3:3 + k]  # rows strided, as a slice of a wider activation
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    got = cpu_gemm.gemm(x, cpu_gemm.pack_weight(w), b)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got.double(), want, atol=1e-4 * k ** 0.5, rtol=1e-5)
+
+
+def test_panel_gemm_rows_do_not_depend_on_the_batch():
+    """Each output element is summed in k order whatever tile its row lands in, so a row's result is bitwise the
+    same alone and in any batch (decode results do not change with what else is running)."""
+    w = cpu_gemm.pack_weight(torch.randn(40, 600))
+    x = torch.randn(200, 600)
+    batched = cpu_gemm.gemm(x, w)
+    for r in (0, 5, 6, 7, 12, 199):
+        assert torch.equal(cpu_gemm.gemm(x[r:r + 1], w), batched[r:r + 1])
+    assert torch.equal(cpu_gemm.gemm(x[3:16], w), batched[3:16])
+
+
+def test_panel_gemm_takes_batched_shapes_and_zero_rows():
+    w = cpu_gemm.pack_weight(torch.randn(24, 32))
+    x = torch.randn(2, 3, 32)
+    torch.testing.assert_close(cpu_gemm.gemm(x, w), x @ w.panels.transpose(1, 2).reshape(-1, 32)[:24].T)
+    assert cpu_gemm.gemm(torch.randn(0, 32), w).shape == (0, 24)
+
+
+def test_panel_gemm_preferred_by_cpu_flags():
+    assert panel_gemm_preferred({"avx2", "fma"}) and not panel_gemm_preferred({"avx2", "fma", "avx512f"})
+    assert not panel_gemm_preferred({"sse4_2"})
+
+
+@pytest.mark.parametrize("panels", [True, False])
+def test_packed_linears_match_f_linear_and_keep_tied_weights(panels):
     col, row = ColumnParallelLinear(64, 96, bias=True), RowParallelLinear(96, 64, bias=True)
     model = nn.ModuleList([col, row])
     for p in model.parameters():
@@ -170,9 +206,10 @@ def test_packed_linears_match_f_linear_and_keep_tied_weights():
     tied = ColumnParallelLinear(64, 96, bias=False)
     tied.weight = col.weight  # shared with col: neither may drop it, and one packed copy serves both
     model.append(tied)
-    assert pack_linears(model) == 3
-    assert row.weight.numel() == 0 and row.packed_weight is not None and col.weight.numel() == 96 * 64
-    assert tied.packed_weight is col.packed_weight and tied.weight is col.weight
+    assert pack_linears(model, panels=panels) == 3
+    attr = "panel_weight" if panels else "packed_weight"
+    assert row.weight.numel() == 0 and getattr(row, attr) is not None and col.weight.numel() == 96 * 64
+    assert getattr(tied, attr) is getattr(col, attr) and tied.weight is col.weight
     torch.testing.assert_close(row(col(x)), want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(linear(tied, x, None), F.linear(x, col.weight), atol=1e-4, rtol=1e-5)
 

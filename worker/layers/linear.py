@@ -32,7 +32,7 @@ def _copy(dst: torch.Tensor, w) -> None:
 
 
 class ReplicatedLinear(nn.Module):
-    packable = True  # cpu_linear.pack_linears may swap the weight for a oneDNN-packed copy
+    packable = True  # cpu_linear.pack_linears may swap the weight for a packed copy (panels or oneDNN)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True) -> None:
         super().__init__()
