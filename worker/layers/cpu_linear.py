@@ -2,7 +2,7 @@
 
 ``F.linear`` (MKL sgemm) repacks the weight on every call; at decode batch sizes that repacking is a large share of
 the call. fp32 weights go into 16-column panels for ``kernels/cpu_gemm.py`` on AVX2 CPUs without AVX-512 (where it
-was measured against oneDNN: 25-35% less time at 1-128 rows, the same or better up to 2048); elsewhere, and for
+was measured against oneDNN: 1.2-1.3x faster at 1-64 rows, on par at 256-2048); elsewhere, and for
 bf16/fp16, oneDNN's blocked layout. The packed weight replaces the plain one (same memory), except where the weight
 is shared (a tied LM head): that one is kept for the other users and packed as a copy.
 """
