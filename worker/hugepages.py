@@ -25,7 +25,7 @@ _MADV_HUGEPAGE = 14
 
 
 def _madvise_hugepage(addr: int, length: int) -> bool:
-    if not sys.platform.startswith("linux") or length <= 0:
+    if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
