@@ -76,14 +76,6 @@ inline float softmax_unnormalized(float* s, int64_t n) {
   return 1.f / sum;
 }
 
-// Rows are prefetched one chunk ahead: blocks sit at random places in the pool, so the hardware prefetcher loses
-// the stream at every block edge.
-template <typename T>
-inline void prefetch_rows(const T* const* rows, int64_t bytes) {
-  for (int j = 0; j < kChunk; ++j)
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, 0);
-}
-
 // Pointers to the cache rows (token start, head 0) of keys t0 .. t0 + 7; keys past L point at a zero row.
 template <typename T>
 inline void chunk_rows(const T* cache, const int32_t* table, int64_t t0, int64_t L, const AttnShape& sh,
@@ -118,21 +110,16 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
       }
   // Row i (position ctx0 + r0 + i) sees keys 0 .. lag + i: a chunk starting at t0 matters to rows i >= t0 - lag.
   const int64_t lag = it.ctx0 + it.r0;
-  const int64_t head_bytes = nh * D * int64_t(sizeof(T));
   const T* rows[kChunk];
-  const T* next[kChunk];
   const T* hr[kChunk];
-  chunk_rows(kc, table, 0, L, sh, zero.data(), rows);
   for (int64_t t0 = 0; t0 < L; t0 += kChunk) {
-    chunk_rows(kc, table, t0 + kChunk, L, sh, zero.data(), next);
-    prefetch_rows(next, head_bytes);
+    chunk_rows(kc, table, t0, L, sh, zero.data(), rows);
     for (int64_t i = std::max<int64_t>(0, t0 - lag); i < nr; ++i)
       for (int64_t hh = 0; hh < nh; ++hh) {
         for (int j = 0; j < kChunk; ++j) hr[j] = rows[j] + (it.h0 + hh) * D;
         const int64_t base = (i * nh + hh) * G;
         for (int64_t g = 0; g < G; ++g) dot8(qf.data() + (base + g) * D, hr, D, S.data() + (base + g) * Lp + t0);
       }
-    std::copy(next, next + kChunk, rows);
   }
   for (int64_t i = 0; i < nr; ++i)
     for (int64_t j = 0; j < nh * G; ++j) {
@@ -140,10 +127,8 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
       inv[qi] = softmax_unnormalized(S.data() + qi * Lp, n);
       std::fill(S.data() + qi * Lp + n, S.data() + (qi + 1) * Lp, 0.f);  // keys past the row's position
     }
-  chunk_rows(vc, table, 0, L, sh, zero.data(), rows);
   for (int64_t t0 = 0; t0 < L; t0 += kChunk) {
-    chunk_rows(vc, table, t0 + kChunk, L, sh, zero.data(), next);
-    prefetch_rows(next, head_bytes);
+    chunk_rows(vc, table, t0, L, sh, zero.data(), rows);
     for (int64_t i = std::max<int64_t>(0, t0 - lag); i < nr; ++i)
       for (int64_t hh = 0; hh < nh; ++hh) {
         for (int j = 0; j < kChunk; ++j) hr[j] = rows[j] + (it.h0 + hh) * D;
@@ -151,7 +136,6 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
         for (int64_t g = 0; g < G; ++g)
           axpy8(acc.data() + (base + g) * D, S.data() + (base + g) * Lp + t0, hr, D);
       }
-    std::copy(next, next + kChunk, rows);
   }
   for (int64_t i = 0; i < nr; ++i)
     for (int64_t hh = 0; hh < nh; ++hh)

@@ -1,5 +1,5 @@
 """Fused element-wise CPU kernels in C++: RMSNorm (with the residual add), SiLU-and-mul, rotary, KV-cache writes,
-and structured output's token bitmask on the logits.
+structured output's token bitmask on the logits, and greedy sampling's argmax.
 
 Each replaces a chain of torch ops (and their temporaries) with one pass over the rows, parallel over rows. Math
 is fp32; bf16 tensors are widened on load and rounded (to nearest even) where Hugging Face's bf16 modules round:
@@ -191,6 +191,37 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor
   });
 }
 
+// Greedy sampling: each row's index of its largest value, the first on ties, or of its first NaN (as torch.argmax).
+// torch.argmax took 2.2 ms for 101 x 32000 fp32 logits on the 2-core EPYC, a quarter of the memory bandwidth.
+void argmax_rows(torch::Tensor x, torch::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 && x.size(1) > 0);
+  TORCH_CHECK(out.scalar_type() == torch::kLong && out.is_contiguous() && out.numel() == x.size(0));
+  const int64_t V = x.size(1), xs = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0), grain(V), [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * xs;
+      f32x8 mv = splat(-INFINITY);
+      i32x8 nan = {};
+      int64_t t = 0;
+      for (; t + 8 <= V; t += 8) {
+        const f32x8 v = load8(row + t);
+        nan |= v != v;
+        mv = v > mv ? v : mv;
+      }
+      float m = hmax(mv);
+      bool any_nan = false;
+      for (int i = 0; i < 8; ++i) any_nan |= nan[i] != 0;
+      for (; t < V; ++t) { m = std::max(m, row[t]); any_nan |= row[t] != row[t]; }
+      t = 0;
+      if (any_nan) while (row[t] == row[t]) ++t;
+      else while (row[t] != m) ++t;
+      op[r] = t;
+    }
+  });
+}
+
 }  // namespace ps
 """
 
@@ -201,6 +232,7 @@ FUNCTIONS = {
     "rotary": "ps::rotary",
     "reshape_and_cache": "ps::reshape_and_cache",
     "apply_token_bitmask": "ps::apply_token_bitmask",
+    "argmax_rows": "ps::argmax_rows",
 }
 
 
@@ -242,4 +274,11 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     """``torch_ref.apply_token_bitmask`` on fp32 CPU logits: a copy, masked in place from the packed words."""
     out = logits.clone()
     cpu_extension.load().apply_token_bitmask(out, rows, bitmask)
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=1)`` for fp32 CPU rows ``[B, V]``."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    cpu_extension.load().argmax_rows(x, out)
     return out

@@ -24,9 +24,10 @@ namespace ps {
 constexpr int64_t kNR = 16, kMR = 6, kKC = 256, kMC = 192;
 
 // y[r][0:16] (+)= sum_k x[r][k] * p[k][0:16] for rows r < MR; y and bias may be narrower than 16 (ncols).
+// With `next`, one cache line of it is prefetched per k: the panel slice the following tiles will need.
 template <int MR>
 inline void gemm_tile(const float* x, int64_t ldx, const float* p, int64_t kc, float* y, int64_t ldy,
-                      int64_t ncols, bool accumulate, const float* bias) {
+                      int64_t ncols, bool accumulate, const float* bias, const float* next) {
   f32x8 a0[MR], a1[MR];
   f32x8 b0 = {}, b1 = {};
   if (bias != nullptr) {
@@ -42,6 +43,7 @@ inline void gemm_tile(const float* x, int64_t ldx, const float* p, int64_t kc, f
     a0[r] = load8(t); a1[r] = load8(t + 8);
   }
   for (int64_t k = 0; k < kc; ++k) {
+    if (next != nullptr) __builtin_prefetch(next + k * kNR, 0, 3);
     const f32x8 w0 = load8(p + k * kNR), w1 = load8(p + k * kNR + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
@@ -58,7 +60,8 @@ inline void gemm_tile(const float* x, int64_t ldx, const float* p, int64_t kc, f
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool, const float*);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool, const float*,
+                        const float*);
 constexpr TileFn kTiles[kMR + 1] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>, gemm_tile<5>,
                                     gemm_tile<6>};
 
@@ -85,9 +88,13 @@ void gemm_packed(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torc
           const int64_t kc = std::min(kKC, K - k0);
           const float* p = pp + (j * K + k0) * kNR;
           const float* b = (k0 == 0 && bp != nullptr) ? bp + n0 : nullptr;
+          // Where several tiles share this slice, the first also fetches the next one (the hardware prefetcher
+          // stops at each 4 KiB page; the slice is 16 KiB): the next k block, else this thread's next panel.
+          const float* next = k0 + kKC < K ? p + kKC * kNR : j + 1 < end ? pp + (j + 1) * K * kNR : nullptr;
+          if (m1 - m0 <= kMR) next = nullptr;  // (a prefetch past the end of the tensor is harmless: never faults)
           for (int64_t m = m0; m < m1; m += kMR) {
             const int64_t mr = std::min(kMR, m1 - m);
-            kTiles[mr](xp + m * ldx + k0, ldx, p, kc, yp + m * N + n0, N, ncols, k0 > 0, b);
+            kTiles[mr](xp + m * ldx + k0, ldx, p, kc, yp + m * N + n0, N, ncols, k0 > 0, b, m == m0 ? next : nullptr);
           }
         }
       }
@@ -109,13 +116,20 @@ class PanelWeight:
     out_features: int  # N
 
 
-def pack_weight(weight: torch.Tensor) -> PanelWeight:
-    """An fp32 ``weight [N, K]`` in panels."""
+def panel_shape(weight: torch.Tensor) -> tuple[int, int, int]:
     n, k = weight.shape
-    count = -(-n // PANEL)
+    return -(-n // PANEL), k, PANEL
+
+
+def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> PanelWeight:
+    """An fp32 ``weight [N, K]`` in panels, written into ``out`` (fp32, contiguous, :func:`panel_shape`) if
+    given."""
+    n, k = weight.shape
+    count = panel_shape(weight)[0]
     padded = torch.zeros(count * PANEL, k, dtype=torch.float32)
     padded[:n] = weight
-    return PanelWeight(padded.view(count, PANEL, k).transpose(1, 2).contiguous(), n)
+    panels = padded.view(count, PANEL, k).transpose(1, 2)
+    return PanelWeight(panels.contiguous() if out is None else out.copy_(panels), n)
 
 
 def gemm(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

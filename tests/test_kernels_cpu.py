@@ -228,6 +228,14 @@ def _anon_huge_kib(addr: int) -> int:
     return 0
 
 
+def _thp_enabled() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
 # 34-69 MiB: above glibc's largest mmap threshold (32 MiB), so a fresh mapping; 320 KiB: an ordinary tensor.
 @pytest.mark.parametrize("blocks", [1100, 10])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -237,11 +245,35 @@ def test_kv_cache_tensors_are_zeroed_and_on_huge_pages(dtype, blocks):
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.any()
     t[-1, -1, -1, -1] = 1  # the whole range is writable
     nbytes = t.numel() * t.element_size()
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = "[never]" not in f.read()
-    except OSError:
-        thp = False
-    if nbytes >= HUGE_PAGE and thp:
+    if nbytes >= HUGE_PAGE and _thp_enabled():
         assert t.data_ptr() % HUGE_PAGE == 0
         assert _anon_huge_kib(t.data_ptr()) >= HUGE_PAGE // 1024
+
+
+def test_packed_panels_share_one_huge_page_buffer():
+    """All fp32 panels of a model sit in one buffer (on 2 MiB pages where THP allows): small weights too, which
+    alone would come from the heap's 4 KiB pages."""
+    layers = nn.ModuleList([ColumnParallelLinear(512, 1024, bias=False) for _ in range(3)])
+    for p in layers.parameters():
+        p.data = torch.randn(p.shape)
+    want = [F.linear(torch.ones(2, 512), m.weight) for m in layers]
+    assert pack_linears(layers, panels=True) == 3
+    ptrs = sorted(m.panel_weight.panels.data_ptr() for m in layers)
+    assert [b - a for a, b in zip(ptrs, ptrs[1:])] == [512 * 1024 * 4] * 2  # consecutive slices of one buffer
+    for m, w in zip(layers, want):
+        torch.testing.assert_close(linear(m, torch.ones(2, 512), None), w, atol=1e-3, rtol=1e-5)
+    if _thp_enabled():
+        assert ptrs[0] % HUGE_PAGE == 0 and _anon_huge_kib(ptrs[0]) >= HUGE_PAGE // 1024
+
+
+@pytest.mark.parametrize("v", [1, 7, 8, 32000])
+def test_argmax_matches_torch(v):
+    x = torch.randn(9, v + 3)[:, 1:1 + v]  # strided rows
+    x[1] = 0.5  # all tied: the first
+    x[2, v // 2:] = float("inf")
+    x[3] = float("-inf")
+    x[4, v // 3] = float("nan")
+    x[5, -1] = float("nan")
+    x[6, 0] = x[6, -1] = 1e30  # tied maxima at both ends
+    assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=1))
+    assert cpu_fused.argmax(torch.empty(0, v)).shape == (0,)

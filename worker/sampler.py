@@ -105,6 +105,12 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     return torch_ref.apply_token_bitmask(logits, rows, bitmask)
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    if logits.device.type == "cpu" and logits.stride(1) == 1 and logits.shape[1] and cpu_extension.load() is not None:
+        return cpu_fused.argmax(logits)
+    return logits.argmax(dim=1)
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = logits.float()
     raw = logits
@@ -114,7 +120,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = apply_penalties(logits, md)
     if md.banned is not None:
         logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
-    greedy = logits.argmax(dim=1)
+    greedy = _argmax(logits)
     if md.all_greedy:
         token_ids = greedy
     else:
