@@ -259,7 +259,7 @@ def test_packed_panels_share_one_huge_page_buffer():
     want = [F.linear(torch.ones(2, 512), m.weight) for m in layers]
     assert pack_linears(layers, panels=True) == 3
     ptrs = sorted(m.panel_weight.panels.data_ptr() for m in layers)
-    assert [b - a for a, b in zip(ptrs, ptrs[1:])] == [512 * 1024 * 4] * 2  # consecutive slices of one buffer
+    assert [ptrs[1] - ptrs[0], ptrs[2] - ptrs[1]] == [512 * 1024 * 4] * 2  # consecutive slices of one buffer
     for m, w in zip(layers, want):
         torch.testing.assert_close(linear(m, torch.ones(2, 512), None), w, atol=1e-3, rtol=1e-5)
     if _thp_enabled():

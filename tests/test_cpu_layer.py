@@ -1,0 +1,78 @@
+"""The one-call C++ decoder layer (kernels/cpu_layer.py) gives bitwise the module path's hidden states and KV cache,
+on a mixed step (prefill chunks beside decodes), with GQA and every bias a LLaMA-family layer can have."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from pagedserve.kernels import cpu_extension, get_backend
+from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
+from pagedserve.worker.layers.cpu_linear import pack_linears
+from pagedserve.worker.models.llama import LlamaForCausalLM
+
+pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="no C++ compiler")
+BLOCK = 16
+
+
+def _model(bias: bool) -> LlamaForCausalLM:
+    cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=bias, mlp_bias=bias,
+                      max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    for p in model.parameters():
+        p.data = torch.randn(p.shape) * 0.3
+    pack_linears(model, panels=True)
+    return model
+
+
+def _bind_caches(model: LlamaForCausalLM, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    caches = []
+    for layer in model.model.layers:
+        a = layer.self_attn.attn
+        a.k_cache = torch.zeros(num_blocks, BLOCK, a.num_kv_heads, a.head_size)
+        a.v_cache = torch.zeros_like(a.k_cache)
+        caches.append((a.k_cache, a.v_cache))
+    return caches
+
+
+def _step(model, tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
+    """One forward pass: sequence i (blocks 4i .. 4i+3) runs tokens[i] from position starts[i]."""
+    ids, pos, slots, qsl, lens = [], [], [], [0], []
+    for i, (toks, s) in enumerate(zip(tokens, starts)):
+        ids += toks
+        pos += range(s, s + len(toks))
+        slots += [(4 * i + p // BLOCK) * BLOCK + p % BLOCK for p in range(s, s + len(toks))]
+        qsl.append(len(ids))
+        lens.append(s + len(toks))
+    md = AttentionMetadata(torch.tensor(slots), torch.arange(4 * len(tokens), dtype=torch.int32).view(-1, 4),
+                           torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                           get_backend("cpu"))
+    with torch.inference_mode(), set_forward_context(md):
+        return model(torch.tensor(ids), torch.tensor(pos))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_call_layers_equal_the_module_path_bitwise(bias):
+    model = _model(bias)
+    assert len(model.model.cpu_layers()) == 3
+    prefill = [[5, 6, 7, 8, 9], list(range(10, 30)), [1, 2, 3]]
+    step2 = [[41], [42], [43, 44, 45, 46]]  # two decodes beside a prefill chunk
+    runs = []
+    for fused in (True, False):
+        model.model._cpu_layers = None if fused else []
+        caches = _bind_caches(model, 12)
+        hidden = [_step(model, prefill, [0, 0, 0]), _step(model, step2, [5, 20, 3])]
+        runs.append((hidden, [c.clone() for kv in caches for c in kv]))
+    (h_fused, kv_fused), (h_mod, kv_mod) = runs
+    for a, b in zip(h_fused + kv_fused, h_mod + kv_mod):
+        assert torch.equal(a, b)
+    assert h_fused[1].shape == (6, 64) and h_fused[1].abs().sum() > 0
+
+
+def test_one_call_layers_need_panels():
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    pack_linears(model, panels=False)  # oneDNN's layout: the module path
+    assert model.model.cpu_layers() == []
