@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from pagedserve.kernels import cpu_extension, get_backend
 from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
@@ -15,12 +14,18 @@ pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="no C++ com
 BLOCK = 16
 
 
+def _config(**kw):
+    # Imported here: at collection, `transformers.LlamaConfig` imports triton, before test_kernels_triton.py can
+    # switch triton to its CPU interpreter.
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, max_position_embeddings=256, **kw)
+
+
 def _model(bias: bool) -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=bias, mlp_bias=bias,
-                      max_position_embeddings=256)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(_config(num_hidden_layers=3, attention_bias=bias, mlp_bias=bias))
     for p in model.parameters():
         p.data = torch.randn(p.shape) * 0.3
     pack_linears(model, panels=True)
@@ -72,7 +77,6 @@ def test_one_call_layers_equal_the_module_path_bitwise(bias):
 
 
 def test_one_call_layers_need_panels():
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    model = LlamaForCausalLM(_config(num_hidden_layers=1))
     pack_linears(model, panels=False)  # oneDNN's layout: the module path
     assert model.model.cpu_layers() == []

