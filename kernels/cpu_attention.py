@@ -1,4 +1,5 @@
-"""Paged attention for CPUs in C++: decodes and prefill chunks of one step in one call, fp32 or bf16.
+"""Paged attention for CPUs in C++: decodes and prefill chunks of one step in one call, fp32 or bf16 (on AVX512-BF16
+CPUs bf16 items go to ``cpu_attention_bf16``).
 
 The torch reference gathers each sequence's blocks into a contiguous copy and runs one SDPA per prefill chunk
 from Python; this kernel reads K and V rows in place through the block table and takes the whole packed batch at
@@ -148,9 +149,21 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
       }
 }
 
-constexpr int64_t kTileRows = 32;
+// Defined by cpu_attention_bf16 (where the compiler targets AVX512-BF16: else the first says no).
+bool attention_bf16_takes(const AttnShape& sh);
+void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+                      const AttnItem& it, const AttnShape& sh);
 
-std::vector<AttnItem> plan(const int32_t* qsl, const int32_t* sl, int64_t B, const AttnShape& sh) {
+inline bool attend_bf16_if(const float*, const float*, const float*, float*, const int32_t*, const AttnItem&,
+                           const AttnShape&) { return false; }
+inline bool attend_bf16_if(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+                           const AttnItem& it, const AttnShape& sh) {
+  attend_item_bf16(q, kc, vc, out, table, it, sh);
+  return true;
+}
+
+// Work items: a decode row (all heads), or up to tile_rows prefill rows of one KV head.
+std::vector<AttnItem> plan(const int32_t* qsl, const int32_t* sl, int64_t B, const AttnShape& sh, int64_t tile_rows) {
   std::vector<AttnItem> items;
   items.reserve(B);
   for (int64_t b = 0; b < B; ++b) {
@@ -160,8 +173,8 @@ std::vector<AttnItem> plan(const int32_t* qsl, const int32_t* sl, int64_t B, con
       items.push_back({b, first, ctx0, 0, 1, 0, sh.Hkv, double(sl[b]) * sh.Hq});
       continue;
     }
-    for (int64_t r0 = 0; r0 < n; r0 += kTileRows) {
-      const int64_t r1 = std::min(n, r0 + kTileRows);
+    for (int64_t r0 = 0; r0 < n; r0 += tile_rows) {
+      const int64_t r1 = std::min(n, r0 + tile_rows);
       const double keys = double(r1 - r0) * (ctx0 + (r0 + r1 + 1) / 2.0);
       for (int64_t h = 0; h < sh.Hkv; ++h) items.push_back({b, first, ctx0, r0, r1, h, h + 1, keys * sh.G});
     }
@@ -193,7 +206,9 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   const int32_t* qsl = qsl_c.data_ptr<int32_t>();
   const int32_t* sl = sl_c.data_ptr<int32_t>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
-  const std::vector<AttnItem> items = plan(qsl, sl, B, sh);
+  // The bf16 kernel packs each item's V rows once: larger items (128 query vectors) share that.
+  const bool bf16_kernel = query.scalar_type() == torch::kBFloat16 && attention_bf16_takes(sh);
+  const std::vector<AttnItem> items = plan(qsl, sl, B, sh, bf16_kernel ? std::max<int64_t>(1, 128 / sh.G) : 32);
   if (items.empty()) return;
   std::vector<double> cum(items.size() + 1, 0.0);
   for (size_t i = 0; i < items.size(); ++i) cum[i + 1] = cum[i] + items[i].cost;
@@ -210,7 +225,8 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
         for (size_t i = 0; i < items.size(); ++i) {
           const double mid = 0.5 * (cum[i] + cum[i + 1]);
           if (mid < lo || mid >= hi) continue;
-          attend_item(q, kc, vc, o, bt + items[i].seq * sh.max_blocks, items[i], sh);
+          if (!(bf16_kernel && attend_bf16_if(q, kc, vc, o, bt + items[i].seq * sh.max_blocks, items[i], sh)))
+            attend_item(q, kc, vc, o, bt + items[i].seq * sh.max_blocks, items[i], sh);
         }
       }
     });

@@ -15,11 +15,20 @@ _failed = False
 
 
 def _sources() -> tuple[str, dict[str, str]]:
-    from pagedserve.kernels import cpu_attention, cpu_common, cpu_fused, cpu_gemm, cpu_layer
+    from pagedserve.kernels import (
+        cpu_attention,
+        cpu_attention_bf16,
+        cpu_common,
+        cpu_fused,
+        cpu_gemm,
+        cpu_gemm_bf16,
+        cpu_layer,
+    )
 
-    functions = {**cpu_attention.FUNCTIONS, **cpu_fused.FUNCTIONS, **cpu_gemm.FUNCTIONS, **cpu_layer.FUNCTIONS}
+    parts = [cpu_attention, cpu_attention_bf16, cpu_fused, cpu_gemm, cpu_gemm_bf16, cpu_layer]
+    functions = {name: impl for part in parts for name, impl in part.FUNCTIONS.items()}
     binding = "\n".join(f'  m.def("{name}", &{impl});' for name, impl in functions.items())
-    source = "\n".join([cpu_common.HEADER, cpu_attention.SOURCE, cpu_fused.SOURCE, cpu_gemm.SOURCE, cpu_layer.SOURCE,
+    source = "\n".join([cpu_common.HEADER, *(part.SOURCE for part in parts),
                         f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binding}\n}}\n"])
     return source, functions
 

@@ -1,4 +1,4 @@
-"""A whole LLaMA-style decoder layer in one C++ call, for CPU fp32 with panel-packed weights and one rank.
+"""A whole LLaMA-style decoder layer in one C++ call, for CPU fp32 or bf16 with panel-packed weights and one rank.
 
 It runs the same kernels as the Python modules, in the same order, on the same buffers (so its results are
 bitwise those of the module path), without the ~12 module calls, shape checks and allocations around them that
@@ -22,7 +22,9 @@ namespace ps {
 inline torch::Tensor linear_panels(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                                    const torch::Tensor& bias, bool bias_after) {
   auto y = torch::empty({x.size(0), n}, x.options());
-  gemm_packed(x, panels, bias_after ? torch::empty({0}, x.options()) : bias, y);
+  const auto b = bias_after ? torch::empty({0}, x.options()) : bias;
+  if (panels.scalar_type() == torch::kBFloat16) gemm_bf16(x, panels, b, y);
+  else gemm_packed(x, panels, b, y);
   if (bias_after && bias.numel() != 0) y.add_(bias);
   return y;
 }
@@ -70,8 +72,9 @@ _NONE = torch.empty(0)
 
 
 def supported(md, k_cache: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether this step can take the one-call layers: the C++ attention backend, fp32 activations and cache."""
-    return md.backend is cpu_ops and x.dtype == torch.float32 and k_cache.dtype == torch.float32 \
+    """Whether this step can take the one-call layers: the C++ attention backend, fp32 or bf16 activations and
+    cache of one dtype."""
+    return md.backend is cpu_ops and x.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == x.dtype \
         and x.device.type == "cpu"
 
 
@@ -82,7 +85,7 @@ class LayerWeights:
     ln1: torch.Tensor
     ln2: torch.Tensor
     eps: float
-    weights: list[torch.Tensor]  # panels of qkv, o_proj, gate_up, down
+    weights: list[torch.Tensor]  # panels of qkv, o_proj, gate_up, down (cpu_gemm's fp32 or cpu_gemm_bf16's bf16)
     biases: list[torch.Tensor]  # each empty where the layer has none
     dims: list[int]  # heads, KV heads, head size, rotary dims, out features of qkv, o_proj, gate_up, down
     cos: torch.Tensor

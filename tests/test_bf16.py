@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import FAST_CPU_FLAGS, choose_cpu_dtype, cpu_auto_dtype, cpu_flags
-from pagedserve.kernels import cpu_ops
+from pagedserve.kernels import cpu_gemm_bf16, cpu_ops
 from pagedserve.tests.utils import EOS, random_prompts
 
 MAX_TOKENS = 16
@@ -49,6 +49,8 @@ def test_bf16_greedy_close_to_hf_bf16(arch, model_factory):
     assert runner.k_caches[0].dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in runner.model.parameters() if p.is_floating_point())
     assert runner.backend is cpu_ops and runner.attn_layers[0].k_cache.dtype == torch.bfloat16
+    if cpu_gemm_bf16.available() and arch.startswith("llama"):  # the fast path: bf16 panels, one-call layers
+        assert len(runner.model.model.cpu_layers()) == len(runner.model.model.layers)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)

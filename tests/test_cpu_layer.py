@@ -1,11 +1,12 @@
 """The one-call C++ decoder layer (kernels/cpu_layer.py) gives bitwise the module path's hidden states and KV cache,
-on a mixed step (prefill chunks beside decodes), with GQA and every bias a LLaMA-family layer can have."""
+on a mixed step (prefill chunks beside decodes), with GQA and every bias a LLaMA-family layer can have, in fp32
+(panel GEMM) and in bf16 (AVX512-BF16 panel GEMM, where this CPU has it)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_extension, get_backend
+from pagedserve.kernels import cpu_extension, cpu_gemm_bf16, get_backend
 from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
 from pagedserve.worker.layers.cpu_linear import pack_linears
 from pagedserve.worker.models.llama import LlamaForCausalLM
@@ -23,12 +24,12 @@ def _config(**kw):
                        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, **kw)
 
 
-def _model(bias: bool) -> LlamaForCausalLM:
+def _model(bias: bool, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     torch.manual_seed(0)
     model = LlamaForCausalLM(_config(num_hidden_layers=3, attention_bias=bias, mlp_bias=bias))
-    for p in model.parameters():
-        p.data = torch.randn(p.shape) * 0.3
-    pack_linears(model, panels=True)
+    for p in model.parameters():  # parameters only: rotary tables stay fp32, as the loader leaves them
+        p.data = (torch.randn(p.shape) * 0.3).to(dtype)
+    pack_linears(model, panels=True, bf16_panels=True)
     return model
 
 
@@ -36,7 +37,8 @@ def _bind_caches(model: LlamaForCausalLM, num_blocks: int) -> list[tuple[torch.T
     caches = []
     for layer in model.model.layers:
         a = layer.self_attn.attn
-        a.k_cache = torch.zeros(num_blocks, BLOCK, a.num_kv_heads, a.head_size)
+        dtype = layer.input_layernorm.weight.dtype
+        a.k_cache = torch.zeros(num_blocks, BLOCK, a.num_kv_heads, a.head_size, dtype=dtype)
         a.v_cache = torch.zeros_like(a.k_cache)
         caches.append((a.k_cache, a.v_cache))
     return caches
@@ -58,9 +60,14 @@ def _step(model, tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         return model(torch.tensor(ids), torch.tensor(pos))
 
 
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not cpu_gemm_bf16.available(), reason="no AVX512-BF16 on this CPU"))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_call_layers_equal_the_module_path_bitwise(bias):
-    model = _model(bias)
+def test_one_call_layers_equal_the_module_path_bitwise(bias, dtype):
+    model = _model(bias, dtype)
     assert len(model.model.cpu_layers()) == 3
     prefill = [[5, 6, 7, 8, 9], list(range(10, 30)), [1, 2, 3]]
     step2 = [[41], [42], [43, 44, 45, 46]]  # two decodes beside a prefill chunk
@@ -73,10 +80,10 @@ def test_one_call_layers_equal_the_module_path_bitwise(bias):
     (h_fused, kv_fused), (h_mod, kv_mod) = runs
     for a, b in zip(h_fused + kv_fused, h_mod + kv_mod):
         assert torch.equal(a, b)
-    assert h_fused[1].shape == (6, 64) and h_fused[1].abs().sum() > 0
+    assert h_fused[1].shape == (6, 64) and h_fused[1].dtype == dtype and h_fused[1].abs().sum() > 0
 
 
 def test_one_call_layers_need_panels():
     model = LlamaForCausalLM(_config(num_hidden_layers=1))
-    pack_linears(model, panels=False)  # oneDNN's layout: the module path
+    pack_linears(model, panels=False, bf16_panels=False)  # oneDNN's layout: the module path
     assert model.model.cpu_layers() == []

@@ -64,6 +64,17 @@ def test_attention_matches_reference(dtype, gqa, block_size, head_size):
     torch.testing.assert_close(got.float(), reference_fp32(*case), **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
 
 
+@pytest.mark.parametrize("gqa,head_size,block_size", [(1, 64, 16), (4, 128, 8), (2, 32, 32)])
+def test_bf16_attention_long_prefills(gqa, head_size, block_size):
+    """Past the bf16 kernel's 128-query-vector items and 16-vector tiles: prompts of 150 and 300 rows (one after a
+    long cached prefix), odd key counts, beside decodes with 1 and 700 keys."""
+    case = paged_case([150, 1, 37, 300, 1], [0, 700, 17, 211, 0], gqa, block_size, head_size, torch.bfloat16,
+                      seed=gqa + head_size)
+    want = reference_fp32(*case)
+    assert want.abs().mean() > 0.1  # outputs well above the tolerance: errors of 8e-3 at most were measured
+    torch.testing.assert_close(cpu_attention.paged_attention(*case).float(), want, atol=1e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_reads_strided_queries(dtype):
     """Queries as a column slice of a fused QKV output: rows strided, heads packed."""

@@ -2,9 +2,10 @@
 
 ``F.linear`` (MKL sgemm) repacks the weight on every call; at decode batch sizes that repacking is a large share of
 the call. fp32 weights go into 16-column panels for ``kernels/cpu_gemm.py`` on AVX2 CPUs without AVX-512 (where it
-was measured against oneDNN: 1.2-1.3x faster at 1-64 rows, on par at 256-2048); elsewhere, and for
-bf16/fp16, oneDNN's blocked layout. The packed weight replaces the plain one (same memory), except where the weight
-is shared (a tied LM head): that one is kept for the other users and packed as a copy.
+was measured against oneDNN: 1.2-1.3x faster at 1-64 rows, on par at 256-2048); bf16 weights into k-pair panels
+for ``kernels/cpu_gemm_bf16.py`` on CPUs with AVX512-BF16; elsewhere oneDNN's blocked layout. The packed weight
+replaces the plain one (same memory), except where the weight is shared (a tied LM head): that one is kept for
+the other users and packed as a copy.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.config import cpu_flags
-from pagedserve.kernels import cpu_extension, cpu_gemm
+from pagedserve.kernels import cpu_extension, cpu_gemm, cpu_gemm_bf16
 from pagedserve.worker.hugepages import empty_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -41,9 +42,14 @@ def panel_gemm_preferred(flags: set[str] | None = None) -> bool:
     return {"avx2", "fma"} <= flags and "avx512f" not in flags and cpu_extension.load() is not None
 
 
-def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ layer.weight.T + bias`` through the layer's packed weight where it has one. ``out_dtype`` float32
+    asks for fp32 outputs from bf16 inputs (logits), which the bf16 panel GEMM gives without a rounding step."""
     panels = getattr(layer, "panel_weight", None)
-    if panels is not None:
+    if isinstance(panels, cpu_gemm_bf16.BF16PanelWeight) and x.dtype == torch.bfloat16:
+        return cpu_gemm_bf16.gemm(x, panels, bias, out_dtype or torch.bfloat16)
+    if isinstance(panels, cpu_gemm.PanelWeight):
         return cpu_gemm.gemm(x, panels, bias)
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
@@ -51,43 +57,52 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torc
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _panel_kernel(w: torch.Tensor):
+    return cpu_gemm_bf16 if w.dtype == torch.bfloat16 else cpu_gemm
+
+
 class _PanelArena:
-    """Consecutive slices of one buffer on huge pages for all of a model's fp32 panels: apart, the weights under
+    """Consecutive slices of one buffer on huge pages for all of a model's panels of one dtype: apart, the weights under
     glibc's mmap threshold (32 MiB) came from the heap on 4 KiB pages. On 2 MiB pages the panel GEMM ran all
     linears of ``bench-llama-58m`` (weights cold) 2-10% faster at 1-35 rows, 1-2% at 101-256 (medians of 9; TLB
     misses at each 4 KiB of a panel stream). Pages are only taken as the packing writes them."""
 
     def __init__(self, weights: list[torch.Tensor]) -> None:
-        self.buffer = empty_huge_pages((sum(math.prod(cpu_gemm.panel_shape(w)) for w in weights),), torch.float32)
+        sizes = [math.prod(_panel_kernel(w).panel_shape(w)) for w in weights]
+        self.buffer = empty_huge_pages((sum(sizes),), weights[0].dtype)
         self.used = 0
 
-    def pack(self, w: torch.Tensor) -> cpu_gemm.PanelWeight:
-        shape = cpu_gemm.panel_shape(w)
+    def pack(self, w: torch.Tensor) -> cpu_gemm.PanelWeight | cpu_gemm_bf16.BF16PanelWeight:
+        kernel = _panel_kernel(w)
+        shape = kernel.panel_shape(w)
         n = math.prod(shape)
         out = self.buffer[self.used:self.used + n].view(shape)
         self.used += n
-        return cpu_gemm.pack_weight(w, out)
+        return kernel.pack_weight(w, out)
 
 
-def _packer(w: torch.Tensor, panels: bool) -> str | None:
+def _packer(w: torch.Tensor, panels: bool, bf16_panels: bool) -> str | None:
     """The attribute a packed copy of this weight goes to, or None to keep ``F.linear``."""
-    if w.dtype == torch.float32 and panels:
+    if (w.dtype == torch.float32 and panels) or (bf16_panels and cpu_gemm_bf16.packable(w)):
         return "panel_weight"
     if w.dtype in packable_dtypes():
         return "packed_weight"
     return None
 
 
-def pack_linears(model: nn.Module, batch_hint: int = 128, panels: bool | None = None) -> int:
+def pack_linears(model: nn.Module, batch_hint: int = 128, panels: bool | None = None,
+                 bf16_panels: bool | None = None) -> int:
     """Pack every linear weight; returns how many modules got a packed weight. A weight only its layer uses is
     replaced by its packed copy. A shared one (a tied LM head: the embedding reads the same tensor) stays, and its
     packed copy is made once and given to every packable module that shares it, as vLLM's CPU backend does: one
     more copy of the vocabulary matrix, for an LM head that F.linear ran at a third of the speed (its MKL call
     repacks the weight each time; measured on the demo model, 1.2 ms against 0.6 ms a 5-row step, and 5-10% of
     the per-token latency at concurrency 1 and 16). ``panels``: use the panel GEMM for fp32 (default: where
-    :func:`panel_gemm_preferred`)."""
+    :func:`panel_gemm_preferred`); ``bf16_panels``: the AVX512-BF16 one for bf16 (default: where it is built)."""
     if panels is None:
         panels = panel_gemm_preferred()
+    if bf16_panels is None:
+        bf16_panels = cpu_gemm_bf16.available()
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
@@ -96,16 +111,17 @@ def pack_linears(model: nn.Module, batch_hint: int = 128, panels: bool | None = 
         w = getattr(module, "weight", None)
         if not getattr(module, "packable", False) or w is None or w.device.type != "cpu" or w.dim() != 2:
             continue
-        attr = _packer(w, panels)
+        attr = _packer(w, panels, bf16_panels)
         if attr is not None:
             todo.append((module, w, attr))
     unique = {id(w): w for _, w, attr in todo if attr == "panel_weight"}
-    arena = _PanelArena(list(unique.values())) if unique else None
+    arenas = {dt: _PanelArena([w for w in unique.values() if w.dtype == dt])
+              for dt in {w.dtype for w in unique.values()}}
     shared: dict[int, object] = {}  # id(weight) -> its packed copy
     extra = 0
     for module, w, attr in todo:
         if id(w) not in shared:
-            shared[id(w)] = arena.pack(w.detach()) if attr == "panel_weight" else \
+            shared[id(w)] = arenas[w.dtype].pack(w.detach()) if attr == "panel_weight" else \
                 torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
             if counts.get(id(w), 0) > 1:
                 extra += w.numel() * w.element_size()

@@ -54,5 +54,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = linear(self, hidden_states, self.bias)
+        """Logits in fp32 where the bf16 panel GEMM computes them (its fp32 sums, not rounded to bf16 first), else
+        in the model dtype; the sampler works on fp32 either way."""
+        logits = linear(self, hidden_states, self.bias, out_dtype=torch.float32)
         return all_gather_last_dim(logits)[..., : self.num_embeddings]

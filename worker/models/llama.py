@@ -68,14 +68,16 @@ class LlamaDecoderLayer(nn.Module):
 
 def _cpu_layer_weights(layer: LlamaDecoderLayer) -> cpu_layer.LayerWeights | None:
     """The layer's weights for the one-call C++ layer, or None where it does not apply: weights not packed in
-    panels (not fp32, or not an AVX2 CPU), more than one tensor-parallel rank, or sizes the kernels do not take."""
+    panels (fp32 on an AVX2 CPU, bf16 on an AVX512-BF16 one), more than one tensor-parallel rank, or sizes the
+    kernels do not take."""
     att, mlp = layer.self_attn, layer.mlp
     linears = [att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj]
     panels = [getattr(m, "panel_weight", None) for m in linears]
     rope, qkv = att.rotary_emb, att.qkv_proj
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     if (any(p is None for p in panels) or att.o_proj.tp_size != 1 or qkv.head_size % 8
-            or any(w.dtype != torch.float32 or w.shape[0] % 8 for w in norms)
+            or len({p.panels.dtype for p in panels}) != 1
+            or any(w.dtype != panels[0].panels.dtype or w.shape[0] % 8 for w in norms)
             or mlp.gate_up_proj.output_size_per_partition % 16 or rope.cos.dtype != torch.float32
             or layer.input_layernorm.eps != layer.post_attention_layernorm.eps or cpu_extension.load() is None):
         return None

@@ -1,0 +1,339 @@
+"""Paged attention for bf16 on AVX512-BF16 CPUs: the items of ``cpu_attention``'s plan, computed with ``vdpbf16ps``.
+
+The generic kernel widens every bf16 element to fp32 8 lanes at a time; on the 2-core Zen 5 machine it ran bf16
+prefill attention at 46-54 GFLOP/s (fp32: 109-129) and bf16 decode at 21 GB/s of KV (fp32: 50), so bf16 was the
+slower dtype end to end. Here:
+
+- A decode row (one query position, all heads) scores 16 keys at a time: per key, ``D / 32`` dot-product
+  instructions on the bf16 row as stored, then one transposing reduction for the 16 keys. Softmax and the value
+  pass (fp32 weights times widened V rows) stay fp32.
+- A prefill item is one sequence's rows for one KV head. Its V rows are interleaved once in pairs of keys (the
+  operand layout of ``vdpbf16ps``); then per tile of 16 query vectors (rows x GQA group) the scores S^T [keys, 16]
+  come from broadcasting K's element pairs in place against the tile's queries packed as pairs, softmax runs down
+  the key axis for the 16 lanes at once, and the weights, rounded to bf16 as torch's flash attention does for
+  reduced precision, multiply the paired V rows. Scores and sums are fp32.
+
+Built only where the compiler targets AVX512-BF16; ``cpu_attention`` uses the generic kernel elsewhere.
+"""
+from __future__ import annotations
+
+SOURCE = r"""
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+namespace ps {
+namespace abf {
+
+inline __m512 widen(const bf16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline __m512bh load_bh(const bf16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh bcast_pair(const bf16_t* p) { int32_t w; std::memcpy(&w, p, 4); return (__m512bh)_mm512_set1_epi32(w); }
+
+// exp as exp8 (Cody-Waite reduction, degree-6 polynomial), 16 lanes.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 nf = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(nf, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(nf), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// Lane j of the result is the sum of a[j]'s 16 lanes.
+inline __m512 transpose_sum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// exp(s - max) in place over s[0:n]; returns 1 / their sum.
+inline float softmax_row(float* s, int64_t n) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+  const __mmask16 tail = __mmask16((1u << (n - t)) - 1);
+  if (t < n) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, s + t));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sum = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= n; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (t < n) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m));
+    _mm512_mask_storeu_ps(s + t, tail, e);
+    sum = _mm512_mask_add_ps(sum, tail, sum, e);
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+// Offsets into the cache of tokens [0, L)'s rows (head 0), then `pad` times -1 (no token: a zero row).
+inline const int64_t* token_offsets(const int32_t* table, int64_t L, int64_t pad, const AttnShape& sh) {
+  thread_local std::vector<int64_t> off;
+  off.resize(L + pad);
+  for (int64_t t0 = 0, b = 0; t0 < L; t0 += sh.bs, ++b) {
+    const int64_t base = table[b] * sh.blk_stride, n = std::min(sh.bs, L - t0);
+    for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * sh.tok_stride;
+  }
+  for (int64_t t = L; t < L + pad; ++t) off[t] = -1;
+  return off.data();
+}
+
+inline const bf16_t* zero_row(int64_t n) {
+  thread_local std::vector<bf16_t> zero;
+  if (int64_t(zero.size()) < n) zero.assign(n, 0);
+  return zero.data();
+}
+
+// One query position, every head, 16 keys at a time (their rows, all heads, while in L1). DV = D / 32.
+template <int DV>
+void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+                 const AttnItem& it, const AttnShape& sh) {
+  constexpr int64_t D = 32 * DV;
+  thread_local std::vector<float> S, acc, inv;
+  const int64_t G = sh.G, Hq = sh.Hq, L = it.ctx0 + 1, Lp = (L + 15) / 16 * 16;
+  S.resize(Hq * Lp);
+  inv.resize(Hq);
+  acc.assign(Hq * D, 0.f);
+  const bf16_t* zero = zero_row(sh.tok_stride);
+  const int64_t* off = token_offsets(table, L, Lp - L, sh);
+  const bf16_t* qrow = q + it.first_token * sh.q_stride;
+  bf16_t* orow = out + it.first_token * sh.o_stride;
+  const __m512 scale = _mm512_set1_ps(sh.scale);
+  const bf16_t* rows[16];
+  // Rows 32 keys ahead are prefetched while a chunk is scored or summed (without, 118 decode rows of ~400 keys
+  // read 28 GB/s of KV; with 16 keys ahead 37, 32 ahead 46); the first chunk after the current one, here.
+  const bf16_t* ahead[16];
+  for (int64_t t = 16; t < std::min<int64_t>(L, 32); ++t)
+    for (int64_t b = 0; b < sh.tok_stride * 2; b += 64) _mm_prefetch((const char*)(kc + off[t]) + b, _MM_HINT_T0);
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    for (int j = 0; j < 16; ++j) {
+      rows[j] = off[t0 + j] < 0 ? zero : kc + off[t0 + j];
+      ahead[j] = t0 + 32 + j < L ? kc + off[t0 + 32 + j] : zero;
+    }
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const int64_t h = hq / G;
+      if (hq % G == 0)
+        for (int j = 0; j < 16; ++j)
+          for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch((const char*)(ahead[j] + h * D) + b, _MM_HINT_T0);
+      __m512bh qv[DV];
+      for (int c = 0; c < DV; ++c) qv[c] = load_bh(qrow + hq * D + 32 * c);
+      __m512 a[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        __m512 x = _mm512_setzero_ps();
+        for (int c = 0; c < DV; ++c) x = _mm512_dpbf16_ps(x, qv[c], load_bh(rows[j] + h * D + 32 * c));
+        a[j] = x;
+      }
+      _mm512_storeu_ps(S.data() + hq * Lp + t0, _mm512_mul_ps(transpose_sum16(a), scale));
+    }
+  }
+  for (int64_t hq = 0; hq < Hq; ++hq) inv[hq] = softmax_row(S.data() + hq * Lp, L);
+  for (int64_t t = 0; t < std::min<int64_t>(L, 32); ++t)
+    for (int64_t b = 0; b < sh.tok_stride * 2; b += 64) _mm_prefetch((const char*)(vc + off[t]) + b, _MM_HINT_T0);
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    const int n = int(std::min<int64_t>(16, L - t0));
+    for (int j = 0; j < n; ++j) rows[j] = vc + off[t0 + j];
+    for (int j = 0; j < 16; ++j) ahead[j] = t0 + 32 + j < L ? vc + off[t0 + 32 + j] : zero;
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const int64_t h = hq / G;
+      if (hq % G == 0)
+        for (int j = 0; j < 16; ++j)
+          for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch((const char*)(ahead[j] + h * D) + b, _MM_HINT_T0);
+      const float* p = S.data() + hq * Lp + t0;
+      float* o = acc.data() + hq * D;
+      __m512 a[2][2 * DV];
+      for (int c = 0; c < 2 * DV; ++c) { a[0][c] = _mm512_loadu_ps(o + 16 * c); a[1][c] = _mm512_setzero_ps(); }
+      for (int j = 0; j < n; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        for (int c = 0; c < 2 * DV; ++c)
+          a[j & 1][c] = _mm512_fmadd_ps(pj, widen(rows[j] + h * D + 16 * c), a[j & 1][c]);
+      }
+      for (int c = 0; c < 2 * DV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(a[0][c], a[1][c]));
+    }
+  }
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    const __m512 w = _mm512_set1_ps(inv[hq]);
+    for (int c = 0; c < 2 * DV; ++c)
+      _mm256_storeu_si256((__m256i*)(orow + hq * D + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc.data() + hq * D + 16 * c), w)));
+  }
+}
+
+// One sequence's rows [r0, r1) for KV head h0. DV = D / 32.
+template <int DV>
+void prefill_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+                  const AttnItem& it, const AttnShape& sh) {
+  constexpr int64_t D = 32 * DV, D2 = D / 2;
+  constexpr int MRK = 8;                                   // keys per score tile
+  constexpr int MRO = DV == 1 ? 8 : std::max(1, 12 / DV);  // query vectors per output tile
+  thread_local std::vector<int32_t> Vp, Qp, Pp;          // bf16 pairs as 32-bit words
+  thread_local std::vector<float> St;
+  const int64_t G = sh.G, h = it.h0, nq = (it.r1 - it.r0) * G;
+  const int64_t L = it.ctx0 + it.r1, L2 = (L + 1) / 2;
+  const bf16_t* zero = zero_row(sh.tok_stride);
+  const int64_t* off = token_offsets(table, L, 0, sh);
+  thread_local std::vector<const bf16_t*> vrow;
+  vrow.resize(2 * L2);
+  for (int64_t t = 0; t < 2 * L2; ++t) vrow[t] = (t < L ? vc + off[t] : zero) + h * D;
+  // V in pairs of keys: word (tp, 32c + 16 hi + 4l + i) = (v[2tp][d], v[2tp+1][d]), d = 32c + 8l + 4 hi + i.
+  Vp.resize(L2 * D);
+  for (int64_t tp = 0; tp < L2; ++tp) {
+    const bf16_t* a = vrow[2 * tp];
+    const bf16_t* b = vrow[2 * tp + 1];
+    for (int c = 0; c < DV; ++c) {
+      const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(b + 32 * c);
+      _mm512_storeu_si512(Vp.data() + tp * D + 32 * c, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(Vp.data() + tp * D + 32 * c + 16, _mm512_unpackhi_epi16(x, y));
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(sh.scale);
+  const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i lo_idx = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i hi_idx = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int64_t q0 = 0; q0 < nq; q0 += 16) {
+    const int64_t nv = std::min<int64_t>(16, nq - q0);
+    // Query vector q0 + i is row (q0 + i) / G of the item, group member (q0 + i) % G.
+    const int64_t first_pos = it.ctx0 + it.r0 + q0 / G, Lt = it.ctx0 + it.r0 + (q0 + nv - 1) / G + 1;
+    Qp.assign(D2 * 16, 0);
+    alignas(64) int32_t row_pos[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      row_pos[i] = int32_t(i < nv ? it.ctx0 + it.r0 + (q0 + i) / G : Lt);  // lanes past nv: see every key
+      if (i >= nv) continue;
+      const int64_t r = it.r0 + (q0 + i) / G, g = (q0 + i) % G;
+      const int32_t* words = reinterpret_cast<const int32_t*>(q + (it.first_token + r) * sh.q_stride + (h * G + g) * D);
+      for (int64_t dd = 0; dd < D2; ++dd) Qp[dd * 16 + i] = words[dd];
+    }
+    // Scores, transposed: St[t][i] for keys t < Lt.
+    const int64_t Ltp = (Lt + 1) / 2 * 2;
+    St.resize(Ltp * 16);
+    for (int64_t t0 = 0; t0 < Lt; t0 += MRK) {
+      const int mr = int(std::min<int64_t>(MRK, Lt - t0));
+      const bf16_t* kr[MRK];
+      for (int j = 0; j < MRK; ++j) kr[j] = (j < mr ? kc + off[t0 + j] : zero) + h * D;
+      __m512 acc[MRK];
+      for (int j = 0; j < MRK; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t dd = 0; dd < D2; ++dd) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(Qp.data() + dd * 16);
+#pragma GCC unroll 8
+        for (int j = 0; j < MRK; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], bcast_pair(kr[j] + 2 * dd), qv);
+      }
+      for (int j = 0; j < mr; ++j) _mm512_storeu_ps(St.data() + (t0 + j) * 16, _mm512_mul_ps(acc[j], scale));
+    }
+    // Softmax down the keys, 16 query vectors at once; a key past a lane's position weighs 0.
+    const __m512i pos = _mm512_load_si512(row_pos);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < Lt; ++t) {
+      const __mmask16 live = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(int32_t(t)));
+      mx = _mm512_mask_max_ps(mx, live, mx, _mm512_loadu_ps(St.data() + t * 16));
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < Ltp; ++t) {
+      const __mmask16 live = t < first_pos + 1 ? __mmask16(0xFFFF)
+                                               : _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(int32_t(t)));
+      const __m512 e = t < Lt ? _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(St.data() + t * 16), mx)))
+                              : _mm512_setzero_ps();
+      _mm512_storeu_ps(St.data() + t * 16, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    // Weights as bf16 pairs of keys: Pp[tp][i] = (p[i][2tp], p[i][2tp+1]).
+    const int64_t Lt2 = Ltp / 2;
+    Pp.resize(Lt2 * 16);
+    for (int64_t tp = 0; tp < Lt2; ++tp) {
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(St.data() + (2 * tp + 1) * 16),
+                                                        _mm512_loadu_ps(St.data() + 2 * tp * 16));
+      _mm512_storeu_si512(Pp.data() + tp * 16, _mm512_permutexvar_epi16(pair_idx, both));
+    }
+    // Output: O[i][:] = sum_t p[i][t] v[t][:], tiles of MRO query vectors by all of D.
+    for (int64_t i0 = 0; i0 < nv; i0 += MRO) {
+      const int mo = int(std::min<int64_t>(MRO, nv - i0));
+      __m512 acc[MRO][2 * DV];
+      for (int r = 0; r < MRO; ++r)
+        for (int c = 0; c < 2 * DV; ++c) acc[r][c] = _mm512_setzero_ps();
+      for (int64_t tp = 0; tp < Lt2; ++tp) {
+        __m512bh pw[MRO];
+        for (int r = 0; r < MRO; ++r) pw[r] = (__m512bh)_mm512_set1_epi32(Pp[tp * 16 + i0 + (r < mo ? r : 0)]);
+        for (int c = 0; c < 2 * DV; ++c) {
+          const __m512bh vv = (__m512bh)_mm512_loadu_si512(Vp.data() + tp * D + 16 * c);
+          for (int r = 0; r < MRO; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pw[r], vv);
+        }
+      }
+      for (int r = 0; r < mo; ++r) {
+        const int64_t i = i0 + r, row = it.r0 + (q0 + i) / G, g = (q0 + i) % G;
+        bf16_t* dst = out + (it.first_token + row) * sh.o_stride + (h * G + g) * D;
+        const __m512 w = _mm512_set1_ps(inv[i]);
+        for (int c = 0; c < DV; ++c) {  // undo the pair layout's order of d
+          const __m512 lo = acc[r][2 * c], hi = acc[r][2 * c + 1];
+          const __m512 first = _mm512_permutex2var_ps(lo, lo_idx, hi), second = _mm512_permutex2var_ps(lo, hi_idx, hi);
+          _mm256_storeu_si256((__m256i*)(dst + 32 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(first, w)));
+          _mm256_storeu_si256((__m256i*)(dst + 32 * c + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(second, w)));
+        }
+      }
+    }
+  }
+}
+
+template <int DV>
+void item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+          const AttnItem& it, const AttnShape& sh) {
+  if (it.r1 - it.r0 == 1 && it.h1 - it.h0 == sh.Hkv)
+    decode_item<DV>(q, kc, vc, out, table, it, sh);
+  else
+    for (int64_t h = it.h0; h < it.h1; ++h) {
+      AttnItem one = it;
+      one.h0 = h; one.h1 = h + 1;
+      prefill_item<DV>(q, kc, vc, out, table, one, sh);
+    }
+}
+
+}  // namespace abf
+
+bool attention_bf16_takes(const AttnShape& sh) { return sh.D % 32 == 0 && sh.D <= 256; }
+
+void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+                      const AttnItem& it, const AttnShape& sh) {
+  switch (sh.D / 32) {
+    case 1: return abf::item<1>(q, kc, vc, out, table, it, sh);
+    case 2: return abf::item<2>(q, kc, vc, out, table, it, sh);
+    case 3: return abf::item<3>(q, kc, vc, out, table, it, sh);
+    case 4: return abf::item<4>(q, kc, vc, out, table, it, sh);
+    case 5: return abf::item<5>(q, kc, vc, out, table, it, sh);
+    case 6: return abf::item<6>(q, kc, vc, out, table, it, sh);
+    case 7: return abf::item<7>(q, kc, vc, out, table, it, sh);
+    default: return abf::item<8>(q, kc, vc, out, table, it, sh);
+  }
+}
+
+}  // namespace ps
+#else
+namespace ps {
+bool attention_bf16_takes(const AttnShape&) { return false; }
+void attend_item_bf16(const bf16_t*, const bf16_t*, const bf16_t*, bf16_t*, const int32_t*, const AttnItem&,
+                      const AttnShape&) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+}  // namespace ps
+#endif
+"""
+
+FUNCTIONS: dict[str, str] = {}
