@@ -6,7 +6,10 @@ tile of up to 12 rows keeps 24 accumulators in zmm registers; per k pair it load
 row, broadcasts that row's pair of activations into one ``vdpbf16ps`` per weight vector. Each thread owns a range
 of panels and, for each block of rows (whose activations stay in L2), runs every row tile over the full K of each
 of its panels, so outputs are written once, rounded to bf16 (or kept fp32, for logits). Every output is summed in k
-order whatever tile its row lands in, so a row's result is bitwise the same in any batch.
+order whatever tile its row lands in, so a row's result is bitwise the same in any batch. Measured on the 2-core
+Zen 5 EPYC over all linears of ``bench-llama-58m`` (weights cold), against oneDNN with prepacked weights: oneDNN
+took 1.10-1.21x as long at 1-8 rows, 1.03-1.05x at 16-128, and 0.96x at 256-2048 (where this kernel ran at
+830-970 GFLOP/s against 982 for a bf16 ``torch.matmul``).
 
 Built only where the compiler targets AVX512-BF16 (``-march=native`` on such a CPU); elsewhere ``available()`` is
 False and bf16 linears keep oneDNN's prepacked path.

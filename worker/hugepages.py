@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import mmap
 import sys
 
 import torch
@@ -42,7 +43,10 @@ def empty_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
-    buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: large allocations are fresh mappings
+    # A mapping of its own, never touched: malloc may hand out heap pages already faulted in on 4 KiB pages (once
+    # large blocks were freed, glibc raises its mmap threshold up to 32 MiB). Unmapped when the tensor is freed.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = torch.frombuffer(region, dtype=torch.uint8)
     offset = -buf.data_ptr() % HUGE_PAGE
     if not _madvise_hugepage(buf.data_ptr() + offset, nbytes // HUGE_PAGE * HUGE_PAGE):
         logger.debug("madvise(MADV_HUGEPAGE) refused; ordinary pages")
