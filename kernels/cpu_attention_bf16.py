@@ -102,6 +102,13 @@ inline const bf16_t* zero_row(int64_t n) {
   return zero.data();
 }
 
+// Prefetches `bytes` from `skip` elements into the rows of keys [t, min(t + 16, L)).
+inline void prefetch_rows(const bf16_t* cache, const int64_t* off, int64_t t, int64_t L, int64_t skip,
+                          int64_t bytes) {
+  for (int64_t u = t; u < std::min(t + 16, L); ++u)
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)(cache + off[u] + skip) + b, _MM_HINT_T0);
+}
+
 // One query position, every head, 16 keys at a time (their rows, all heads, while in L1). DV = D / 32.
 template <int DV>
 void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
@@ -119,20 +126,13 @@ void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* ou
   const __m512 scale = _mm512_set1_ps(sh.scale);
   const bf16_t* rows[16];
   // Rows 32 keys ahead are prefetched while a chunk is scored or summed (without, 118 decode rows of ~400 keys
-  // read 28 GB/s of KV; with 16 keys ahead 37, 32 ahead 46); the first chunk after the current one, here.
-  const bf16_t* ahead[16];
-  for (int64_t t = 16; t < std::min<int64_t>(L, 32); ++t)
-    for (int64_t b = 0; b < sh.tok_stride * 2; b += 64) _mm_prefetch((const char*)(kc + off[t]) + b, _MM_HINT_T0);
+  // read 28 GB/s of KV; with 16 keys ahead 37, 32 ahead 46); the chunk after the first one, here.
+  prefetch_rows(kc, off, 16, L, 0, sh.tok_stride * 2);
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
-    for (int j = 0; j < 16; ++j) {
-      rows[j] = off[t0 + j] < 0 ? zero : kc + off[t0 + j];
-      ahead[j] = t0 + 32 + j < L ? kc + off[t0 + 32 + j] : zero;
-    }
+    for (int j = 0; j < 16; ++j) rows[j] = off[t0 + j] < 0 ? zero : kc + off[t0 + j];
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / G;
-      if (hq % G == 0)
-        for (int j = 0; j < 16; ++j)
-          for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch((const char*)(ahead[j] + h * D) + b, _MM_HINT_T0);
+      if (hq % G == 0) prefetch_rows(kc, off, t0 + 32, L, h * D, D * 2);
       __m512bh qv[DV];
       for (int c = 0; c < DV; ++c) qv[c] = load_bh(qrow + hq * D + 32 * c);
       __m512 a[16];
@@ -146,17 +146,14 @@ void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* ou
     }
   }
   for (int64_t hq = 0; hq < Hq; ++hq) inv[hq] = softmax_row(S.data() + hq * Lp, L);
-  for (int64_t t = 0; t < std::min<int64_t>(L, 32); ++t)
-    for (int64_t b = 0; b < sh.tok_stride * 2; b += 64) _mm_prefetch((const char*)(vc + off[t]) + b, _MM_HINT_T0);
+  prefetch_rows(vc, off, 0, L, 0, sh.tok_stride * 2);
+  prefetch_rows(vc, off, 16, L, 0, sh.tok_stride * 2);
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     const int n = int(std::min<int64_t>(16, L - t0));
     for (int j = 0; j < n; ++j) rows[j] = vc + off[t0 + j];
-    for (int j = 0; j < 16; ++j) ahead[j] = t0 + 32 + j < L ? vc + off[t0 + 32 + j] : zero;
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / G;
-      if (hq % G == 0)
-        for (int j = 0; j < 16; ++j)
-          for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch((const char*)(ahead[j] + h * D) + b, _MM_HINT_T0);
+      if (hq % G == 0) prefetch_rows(vc, off, t0 + 32, L, h * D, D * 2);
       const float* p = S.data() + hq * Lp + t0;
       float* o = acc.data() + hq * D;
       __m512 a[2][2 * DV];

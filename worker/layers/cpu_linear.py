@@ -47,7 +47,7 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
     """``x @ layer.weight.T + bias`` through the layer's packed weight where it has one. ``out_dtype`` float32
     asks for fp32 outputs from bf16 inputs (logits), which the bf16 panel GEMM gives without a rounding step."""
     panels = getattr(layer, "panel_weight", None)
-    if isinstance(panels, cpu_gemm_bf16.BF16PanelWeight) and x.dtype == torch.bfloat16:
+    if isinstance(panels, cpu_gemm_bf16.BF16PanelWeight):
         return cpu_gemm_bf16.gemm(x, panels, bias, out_dtype or torch.bfloat16)
     if isinstance(panels, cpu_gemm.PanelWeight):
         return cpu_gemm.gemm(x, panels, bias)
