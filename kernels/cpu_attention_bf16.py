@@ -23,9 +23,6 @@ SOURCE = r"""
 namespace ps {
 namespace abf {
 
-inline __m512 widen(const bf16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
 inline __m512bh load_bh(const bf16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh bcast_pair(const bf16_t* p) { int32_t w; std::memcpy(&w, p, 4); return (__m512bh)_mm512_set1_epi32(w); }
 
@@ -102,6 +99,23 @@ inline const bf16_t* zero_row(int64_t n) {
   return zero.data();
 }
 
+// Two keys' V rows interleaved for vdpbf16ps: for 32 elements of d from c, word 4l + i of `lo` is
+// (a[8l + i], b[8l + i]) and of `hi` (a[8l + 4 + i], b[8l + 4 + i]), l < 4, i < 4.
+inline void interleave(const bf16_t* a, const bf16_t* b, __m512bh& lo, __m512bh& hi) {
+  const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
+  lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
+  hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+}
+
+// dst[0:32] = bf16((lo, hi) * w) with d back in order (the inverse of interleave's order).
+inline void store_interleaved(bf16_t* dst, __m512 lo, __m512 hi, __m512 w) {
+  const __m512i lo_idx = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i hi_idx = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  const __m512 first = _mm512_permutex2var_ps(lo, lo_idx, hi), second = _mm512_permutex2var_ps(lo, hi_idx, hi);
+  _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(first, w)));
+  _mm256_storeu_si256((__m256i*)(dst + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(second, w)));
+}
+
 // Prefetches `bytes` from `skip` elements into the rows of keys [t, min(t + 16, L)).
 inline void prefetch_rows(const bf16_t* cache, const int64_t* off, int64_t t, int64_t L, int64_t skip,
                           int64_t bytes) {
@@ -115,8 +129,10 @@ void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* ou
                  const AttnItem& it, const AttnShape& sh) {
   constexpr int64_t D = 32 * DV;
   thread_local std::vector<float> S, acc, inv;
+  thread_local std::vector<bf16_t> P;
   const int64_t G = sh.G, Hq = sh.Hq, L = it.ctx0 + 1, Lp = (L + 15) / 16 * 16;
   S.resize(Hq * Lp);
+  P.resize(Hq * Lp);
   inv.resize(Hq);
   acc.assign(Hq * D, 0.f);
   const bf16_t* zero = zero_row(sh.tok_stride);
@@ -145,32 +161,46 @@ void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* ou
       _mm512_storeu_ps(S.data() + hq * Lp + t0, _mm512_mul_ps(transpose_sum16(a), scale));
     }
   }
-  for (int64_t hq = 0; hq < Hq; ++hq) inv[hq] = softmax_row(S.data() + hq * Lp, L);
+  // Weights rounded to bf16 (as in prefill and torch's reduced-precision attention), zero past L: the value pass
+  // takes two keys per vdpbf16ps (a third of the instructions of widening V and fp32 FMAs).
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float* s = S.data() + hq * Lp;
+    inv[hq] = softmax_row(s, L);
+    bf16_t* pb = P.data() + hq * Lp;
+    for (int64_t t = 0; t < Lp; t += 16) {
+      const __mmask16 live = t + 16 <= L ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(0, L - t)) - 1);
+      _mm256_storeu_si256((__m256i*)(pb + t), (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, s + t)));
+    }
+  }
   prefetch_rows(vc, off, 0, L, 0, sh.tok_stride * 2);
   prefetch_rows(vc, off, 16, L, 0, sh.tok_stride * 2);
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
-    const int n = int(std::min<int64_t>(16, L - t0));
-    for (int j = 0; j < n; ++j) rows[j] = vc + off[t0 + j];
+    const int pairs = int(std::min<int64_t>(16, L - t0) + 1) / 2;
+    for (int j = 0; j < 2 * pairs; ++j) rows[j] = off[t0 + j] < 0 ? zero : vc + off[t0 + j];
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / G;
       if (hq % G == 0) prefetch_rows(vc, off, t0 + 32, L, h * D, D * 2);
-      const float* p = S.data() + hq * Lp + t0;
+      const int32_t* pw = reinterpret_cast<const int32_t*>(P.data() + hq * Lp + t0);
       float* o = acc.data() + hq * D;
-      __m512 a[2][2 * DV];
-      for (int c = 0; c < 2 * DV; ++c) { a[0][c] = _mm512_loadu_ps(o + 16 * c); a[1][c] = _mm512_setzero_ps(); }
-      for (int j = 0; j < n; ++j) {
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        for (int c = 0; c < 2 * DV; ++c)
-          a[j & 1][c] = _mm512_fmadd_ps(pj, widen(rows[j] + h * D + 16 * c), a[j & 1][c]);
+      __m512 a[2 * DV];
+      for (int c = 0; c < 2 * DV; ++c) a[c] = _mm512_loadu_ps(o + 16 * c);
+      for (int u = 0; u < pairs; ++u) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[u]);
+        for (int c = 0; c < DV; ++c) {
+          __m512bh lo, hi;
+          interleave(rows[2 * u] + h * D + 32 * c, rows[2 * u + 1] + h * D + 32 * c, lo, hi);
+          a[2 * c] = _mm512_dpbf16_ps(a[2 * c], w, lo);
+          a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], w, hi);
+        }
       }
-      for (int c = 0; c < 2 * DV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(a[0][c], a[1][c]));
+      for (int c = 0; c < 2 * DV; ++c) _mm512_storeu_ps(o + 16 * c, a[c]);
     }
   }
   for (int64_t hq = 0; hq < Hq; ++hq) {
     const __m512 w = _mm512_set1_ps(inv[hq]);
-    for (int c = 0; c < 2 * DV; ++c)
-      _mm256_storeu_si256((__m256i*)(orow + hq * D + 16 * c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc.data() + hq * D + 16 * c), w)));
+    const float* o = acc.data() + hq * D;
+    for (int c = 0; c < DV; ++c)
+      store_interleaved(orow + hq * D + 32 * c, _mm512_loadu_ps(o + 32 * c), _mm512_loadu_ps(o + 32 * c + 16), w);
   }
 }
 
@@ -196,16 +226,15 @@ void prefill_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* o
     const bf16_t* a = vrow[2 * tp];
     const bf16_t* b = vrow[2 * tp + 1];
     for (int c = 0; c < DV; ++c) {
-      const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(b + 32 * c);
-      _mm512_storeu_si512(Vp.data() + tp * D + 32 * c, _mm512_unpacklo_epi16(x, y));
-      _mm512_storeu_si512(Vp.data() + tp * D + 32 * c + 16, _mm512_unpackhi_epi16(x, y));
+      __m512bh lo, hi;
+      interleave(a + 32 * c, b + 32 * c, lo, hi);
+      _mm512_storeu_si512(Vp.data() + tp * D + 32 * c, (__m512i)lo);
+      _mm512_storeu_si512(Vp.data() + tp * D + 32 * c + 16, (__m512i)hi);
     }
   }
   const __m512 scale = _mm512_set1_ps(sh.scale);
   const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                             23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i lo_idx = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i hi_idx = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   for (int64_t q0 = 0; q0 < nq; q0 += 16) {
     const int64_t nv = std::min<int64_t>(16, nq - q0);
     // Query vector q0 + i is row (q0 + i) / G of the item, group member (q0 + i) % G.
@@ -279,12 +308,7 @@ void prefill_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* o
         const int64_t i = i0 + r, row = it.r0 + (q0 + i) / G, g = (q0 + i) % G;
         bf16_t* dst = out + (it.first_token + row) * sh.o_stride + (h * G + g) * D;
         const __m512 w = _mm512_set1_ps(inv[i]);
-        for (int c = 0; c < DV; ++c) {  // undo the pair layout's order of d
-          const __m512 lo = acc[r][2 * c], hi = acc[r][2 * c + 1];
-          const __m512 first = _mm512_permutex2var_ps(lo, lo_idx, hi), second = _mm512_permutex2var_ps(lo, hi_idx, hi);
-          _mm256_storeu_si256((__m256i*)(dst + 32 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(first, w)));
-          _mm256_storeu_si256((__m256i*)(dst + 32 * c + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(second, w)));
-        }
+        for (int c = 0; c < DV; ++c) store_interleaved(dst + 32 * c, acc[r][2 * c], acc[r][2 * c + 1], w);
       }
     }
   }
