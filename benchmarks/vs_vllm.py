@@ -6,8 +6,10 @@
 
 Each dtype in ``--dtypes`` runs on both engines; bf16 only where this CPU has bf16 matmul instructions (AMX-BF16 or
 AVX512-BF16) unless ``--force-bf16``: without them both engines emulate it, and the measured matmul rates below say
-how slow that is. Also measured in the same run: the best fp32 and bf16 matmul rates here, and each engine's model
-FLOP utilization against them. At fp32 both engines must produce the same greedy tokens. Results:
+how slow that is. Also measured in the same run: the best fp32 and bf16 matmul rates and the memory read rate here,
+each engine's model FLOP utilization (MFU: all the workload's model FLOPs, prompts included, over time x the
+matmul rate) and the ceiling a run at those rates could reach (``roofline.py``). At fp32 both engines must produce
+the same greedy tokens. Results:
 benchmarks/results/vs_vllm.{json,png} (``--out`` names another). ``--vllm-env KEY=VALUE ...`` sets variables for
 vLLM's process only: ``THP_MEM_ALLOC_ENABLE=1`` gives it torch's huge pages under every large allocation, which
 pagedserve uses for its KV cache (worker/hugepages.py).
@@ -29,11 +31,10 @@ from common import (
     REFERENCE_MODELS,
     make_workload,
     matmul_peak_flops,
-    model_flops_per_token,
-    num_params,
     reference_model,
     save_results,
 )
+from roofline import read_bandwidth, roofline
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import FAST_CPU_FLAGS, cpu_flags
@@ -92,20 +93,20 @@ def main() -> None:
     flags = cpu_flags()
     bf16_native = sorted(f for f in FAST_CPU_FLAGS[torch.bfloat16] if f in flags)
     peaks = {dt: matmul_peak_flops(getattr(torch, dt)) for dt in ("float32", "bfloat16")}
+    read_bw = read_bandwidth()
     print(f"matmul here: fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s "
-          f"(bf16 instructions: {bf16_native or 'none'})")
+          f"(bf16 instructions: {bf16_native or 'none'}); memory read {read_bw / 1e9:.1f} GB/s")
     dtypes = [d for d in args.dtypes if d != "bfloat16" or bf16_native or args.force_bf16]
     model = reference_model(args.model)
     cfg = REFERENCE_MODELS[args.model]
-    params = num_params(model)
     rows = []
     for name in args.workloads:
         wl = make_workload(name)
         n = args.requests or SIZES[name]
         prompts, out_lens = wl.prompts[:n], wl.output_lens[:n]
-        mean_ctx = sum(len(p) + o / 2 for p, o in zip(prompts, out_lens)) / n
-        flops_tok = model_flops_per_token(params, cfg["num_hidden_layers"], cfg["hidden_size"], mean_ctx)
         for dtype in dtypes:
+            roof = roofline(cfg, [len(p) for p in prompts], out_lens, getattr(torch, dtype).itemsize, peaks[dtype],
+                            read_bw)
             runs: dict[str, list[dict]] = {"pagedserve": [], "vllm": []}
             for _ in range(args.pairs):
                 runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype))
@@ -118,14 +119,15 @@ def main() -> None:
                    "vllm_tok_s": best["vllm"], "ratio": best["pagedserve"] / best["vllm"],
                    "all_runs": {k: [r["output_tok_s"] for r in v] for k, v in runs.items()},
                    "same_greedy_tokens": same,
-                   "mfu_pagedserve": best["pagedserve"] * flops_tok / peaks[dtype],
-                   "mfu_vllm": best["vllm"] * flops_tok / peaks[dtype]}
+                   "model_gflop": roof.model_flops / 1e9, "kv_read_gb": roof.kv_read_bytes / 1e9,
+                   "floor_s": roof.floor_s, "mfu_ceiling": roof.mfu(roof.floor_s, peaks[dtype]),
+                   **{f"mfu_{k}": roof.mfu(sum(out_lens) / v, peaks[dtype]) for k, v in best.items()}}
             rows.append(row)
             print(f"{name:9s} {n:4d} req {dtype:8s}: pagedserve {best['pagedserve']:7.1f} tok/s, vLLM-CPU "
                   f"{best['vllm']:7.1f} tok/s -> x{row['ratio']:.2f} (MFU {row['mfu_pagedserve']:.0%} vs "
-                  f"{row['mfu_vllm']:.0%}; same greedy tokens: {same})", flush=True)
+                  f"{row['mfu_vllm']:.0%}, ceiling {row['mfu_ceiling']:.0%}; same greedy tokens: {same})", flush=True)
     path = save_results(args.out, {"model": args.model, "threads": threads, "cpu_bf16_instructions": bf16_native,
-                                    "matmul_flops": peaks, "vllm_env": vllm_env,
+                                    "matmul_flops": peaks, "read_bytes_per_s": read_bw, "vllm_env": vllm_env,
                                     "dtypes_skipped": sorted(set(args.dtypes) - set(dtypes)), "rows": rows})
     plot(rows, path.replace(".json", ".png"))
     print("saved", path)

@@ -110,6 +110,9 @@ class Request:
 
     @property
     def live_seqs(self) -> list[Sequence]:
+        if len(self.seqs) == 1:  # most requests; called several times per step
+            seq = self.seqs[0]
+            return [] if seq.status >= RequestStatus.FINISHED_STOPPED else [seq]
         return [s for s in self.seqs if not s.finished]
 
     @property

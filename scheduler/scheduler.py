@@ -287,11 +287,13 @@ class Scheduler:
     def _allocate(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         bm = self.block_manager
         seqs = req.live_seqs
-        if bm.group_blocks_needed(seqs, n) > bm.num_free_blocks:
+        # One sequence (most requests): allocate_slots checks its need itself and changes nothing when short.
+        if len(seqs) > 1 and bm.group_blocks_needed(seqs, n) > bm.num_free_blocks:
             return False
         for s in seqs:
             first_copy = len(out.blocks_to_copy)
-            bm.allocate_slots(s, min(n, s.num_pending_tokens), out.blocks_to_copy)
+            if not bm.allocate_slots(s, min(n, s.num_pending_tokens), out.blocks_to_copy):
+                return False  # only a lone sequence gets here (a group's need was checked above)
             for _, dst in out.blocks_to_copy[first_copy:]:  # the workers must get the new table from there on
                 s.num_sent_blocks = min(s.num_sent_blocks, s.block_table.index(dst))
         return True
@@ -391,10 +393,16 @@ class Scheduler:
         st.num_steps += 1
         st.peak_blocks_used = max(st.peak_blocks_used, used)
         if used:
-            # Distinct blocks and the tokens they hold: a block shared by forks counts once.
-            filled = {b: min(self.block_size, s.num_computed_tokens - i * self.block_size)
-                      for r in self.running for s in r.live_seqs for i, b in enumerate(s.block_table)}
-            st.waste_sum += max(0.0, 1.0 - sum(filled.values()) / (used * self.block_size))
+            bs = self.block_size
+            seqs = [s for r in self.running for s in r.live_seqs]
+            if sum(len(s.block_table) for s in seqs) == used and \
+                    all(s.num_computed_tokens > (len(s.block_table) - 1) * bs for s in seqs):
+                # No block held twice and only the last one of each partly filled: per sequence, in O(1).
+                tokens = sum(min(len(s.block_table) * bs, s.num_computed_tokens) for s in seqs)
+            else:  # distinct blocks and the tokens they hold: a block shared by forks counts once
+                tokens = sum({b: min(bs, s.num_computed_tokens - i * bs)
+                              for s in seqs for i, b in enumerate(s.block_table)}.values())
+            st.waste_sum += max(0.0, 1.0 - tokens / (used * bs))
 
     # ---- results -----------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -131,3 +131,34 @@ def test_kv_waste_only_in_last_block(llama_dir):
     # With 16 tokens a block, only the tail of each sequence's last block may be empty.
     assert 0 < st.waste_sum / st.num_steps < 0.5
     assert st.peak_blocks_used <= sum(-(-(len(p) + 24) // 16) for p in prompts)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_kv_waste_counts_each_block_once(llama_dir, shared):
+    """Each step's waste is 1 - tokens in distinct used blocks / their slots, whether blocks are private (the
+    per-sequence sum) or shared by forks and cached prefixes (a block held twice counts once)."""
+    llm = LLM(llama_dir, seed=0)
+    sched = llm.llm_engine.core.scheduler
+    record, seen = sched._record_stats, []
+
+    def checked() -> None:
+        before = sched.stats.waste_sum
+        record()
+        used = sched.block_manager.num_blocks - sched.block_manager.num_free_blocks
+        if used:
+            bs = sched.block_size
+            distinct = {b: min(bs, s.num_computed_tokens - i * bs)
+                        for r in sched.running for s in r.live_seqs for i, b in enumerate(s.block_table)}
+            seen.append((sched.stats.waste_sum - before, max(0.0, 1.0 - sum(distinct.values()) / (used * bs)),
+                         len(distinct) < sum(len(s.block_table) for r in sched.running for s in r.live_seqs)))
+
+    sched._record_stats = checked
+    prompts = random_prompts(6, seed=7, max_len=50)
+    if shared:  # a common 40-token prefix, and 3 completions per prompt forked after the prefill
+        prompts = [prompts[0][:40] + p for p in prompts]
+        params = SamplingParams(temperature=0.8, n=3, max_tokens=20, seed=1)
+    else:
+        params = SamplingParams(temperature=0, max_tokens=20)
+    _tokens(llm, prompts, params)
+    assert seen and all(got == pytest.approx(want, abs=1e-12) for got, want, _ in seen)
+    assert any(dup for _, _, dup in seen) == shared
