@@ -29,13 +29,15 @@ class Roofline:
         return self.model_flops / (elapsed_s * peak_flops)
 
 
-def read_bandwidth(n_bytes: int = 1 << 30, repeat: int = 5) -> float:
-    """The best bytes/s of summing a large fp32 tensor on all threads: the machine's memory read rate."""
-    x = torch.ones(n_bytes // 4)
+def read_bandwidth(n_bytes: int = 1 << 30, repeat: int = 5, device: str = "cpu") -> float:
+    """The best bytes/s of summing a large fp32 tensor (on all threads): the device's memory read rate."""
+    x = torch.ones(n_bytes // 4, device=device)
     best = 0.0
     for _ in range(repeat):
         t = time.perf_counter()
         x.sum()
+        if device == "cuda":
+            torch.cuda.synchronize()
         best = max(best, n_bytes / (time.perf_counter() - t))
     return best
 

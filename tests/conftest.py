@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,6 +11,26 @@ import torch
 from pagedserve.tests.utils import make_model, make_tokenizer
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def load_benchmark():
+    """load_benchmark(name) -> benchmarks/<name>.py as a module, in sys.modules (its dataclasses look it up there)
+    until the test module ends."""
+    loaded: list[str] = []
+
+    def load(name: str):
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        loaded.append(spec.name)
+        spec.loader.exec_module(mod)
+        return mod
+
+    yield load
+    for name in loaded:
+        sys.modules.pop(name, None)
 
 
 @pytest.fixture(scope="session")

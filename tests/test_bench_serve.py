@@ -2,24 +2,14 @@
 the tokens after the first, ITL every gap between chunks, throughput over the whole run's span."""
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_serve", os.path.join(HERE, "..", "benchmarks", "serve.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+def bench(load_benchmark):
+    return load_benchmark("serve")
 
 
 def test_summary_definitions(bench):

@@ -2,27 +2,18 @@
 whose step count must be the engine's own on the same workload."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
-import sys
 
 import pytest
 
 from pagedserve import LLM, SamplingParams
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 @pytest.fixture(scope="module")
-def roofline():
-    spec = importlib.util.spec_from_file_location("roofline", os.path.join(HERE, "..", "benchmarks", "roofline.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+def roofline(load_benchmark):
+    return load_benchmark("roofline")
 
 
 def _workload(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
