@@ -397,7 +397,8 @@ class Scheduler:
             seqs = [s for r in self.running for s in r.live_seqs]
             if sum(len(s.block_table) for s in seqs) == used and \
                     all(s.num_computed_tokens > (len(s.block_table) - 1) * bs for s in seqs):
-                # No block held twice and only the last one of each partly filled: per sequence, in O(1).
+                # Every used block is a running sequence's, so equal counts mean none is held twice; with only
+                # the last block of each partly filled, the tokens are counted per sequence.
                 tokens = sum(min(len(s.block_table) * bs, s.num_computed_tokens) for s in seqs)
             else:  # distinct blocks and the tokens they hold: a block shared by forks counts once
                 tokens = sum({b: min(bs, s.num_computed_tokens - i * bs)
