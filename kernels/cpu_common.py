@@ -21,6 +21,11 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
+// 16 lanes for the element-wise kernels: one zmm where AVX-512 has it (8-lane code ran at half the rate there).
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint16_t bf16_t;
 
 inline f32x8 load8(const float* p) { f32x8 v; std::memcpy(&v, p, sizeof v); return v; }
@@ -34,6 +39,19 @@ inline void store8(bf16_t* p, f32x8 v) {  // round to nearest even, as torch's f
   u32x8 w; std::memcpy(&w, &v, sizeof w);
   w += 0x7FFFu + ((w >> 16) & 1u);
   u16x8 h = __builtin_convertvector(w >> 16, u16x8);
+  std::memcpy(p, &h, sizeof h);
+}
+inline f32x16 load16(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline f32x16 load16(const bf16_t* p) {
+  u16x16 h; std::memcpy(&h, p, sizeof h);
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v; std::memcpy(&v, &w, sizeof v); return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline void store16(bf16_t* p, f32x16 v) {
+  u32x16 w; std::memcpy(&w, &v, sizeof w);
+  w += 0x7FFFu + ((w >> 16) & 1u);
+  u16x16 h = __builtin_convertvector(w >> 16, u16x16);
   std::memcpy(p, &h, sizeof h);
 }
 inline float load1(const float* p) { return *p; }
@@ -70,27 +88,31 @@ inline float hmax(f32x8 v) {
   return m;
 }
 
-// exp on 8 lanes: Cody-Waite reduction to r in [-ln2/2, ln2/2], a degree-6 Taylor polynomial (error < 2e-7
-// relative) and the exponent put back in the float's bits. Inputs are clamped to [-87, 88] (no denormals or inf).
-inline f32x8 exp8(f32x8 x) {
-  x = x < -87.f ? splat(-87.f) : x;
-  x = x > 88.f ? splat(88.f) : x;
-  f32x8 t = x * 1.44269504f;
-  i32x8 n = __builtin_convertvector(t + (t < 0.f ? splat(-0.5f) : splat(0.5f)), i32x8);  // round half away
-  f32x8 nf = __builtin_convertvector(n, f32x8);
-  f32x8 r = x - nf * 0.693359375f;
+// exp on F's lanes (I: the int vector of as many lanes): Cody-Waite reduction to r in [-ln2/2, ln2/2], a degree-6
+// Taylor polynomial (error < 2e-7 relative) and the exponent put back in the float's bits. Inputs are clamped to
+// [-87, 88] (no denormals or inf).
+template <typename F, typename I>
+inline F vexp(F x) {
+  x = x < -87.f ? F{} - 87.f : x;
+  x = x > 88.f ? F{} + 88.f : x;
+  F t = x * 1.44269504f;
+  I n = __builtin_convertvector(t + (t < 0.f ? F{} - 0.5f : F{} + 0.5f), I);  // round half away
+  F nf = __builtin_convertvector(n, F);
+  F r = x - nf * 0.693359375f;
   r = r + nf * 2.12194440e-4f;
-  f32x8 p = splat(1.f / 720);
+  F p = F{} + 1.f / 720;
   p = p * r + 1.f / 120;
   p = p * r + 1.f / 24;
   p = p * r + 1.f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  i32x8 e = (n + 127) << 23;
-  f32x8 scale; std::memcpy(&scale, &e, sizeof scale);
+  I e = (n + 127) << 23;
+  F scale; std::memcpy(&scale, &e, sizeof scale);
   return p * scale;
 }
+inline f32x8 exp8(f32x8 x) { return vexp<f32x8, i32x8>(x); }
+inline f32x16 exp16v(f32x16 x) { return vexp<f32x16, i32x16>(x); }
 
 template <typename T> inline const T* ptr(const torch::Tensor& t) {
   return reinterpret_cast<const T*>(t.data_ptr());

@@ -117,10 +117,11 @@ def _rms_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_and_fused_residual(dtype):
+@pytest.mark.parametrize("hidden", [96, 104])  # 16-lane steps only, and with an 8-lane tail
+def test_rms_norm_and_fused_residual(dtype, hidden):
     g = torch.Generator().manual_seed(1)
-    x, res = torch.randn(37, 96, generator=g).to(dtype), torch.randn(37, 96, generator=g).to(dtype)
-    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    x, res = torch.randn(37, hidden, generator=g).to(dtype), torch.randn(37, hidden, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(cpu_fused.rms_norm(x, w, 1e-6).float(), _rms_reference(x, w, 1e-6), **tol)
     total = x.float() + res.float()
@@ -145,7 +146,9 @@ def test_rms_norm_layer_fp32_is_the_torch_path():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     x = (4 * torch.randn(23, 2 * 200, generator=torch.Generator().manual_seed(2))).to(dtype)
-    x[0, :8] = torch.tensor([-100.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 100.0, 3.0]).to(dtype)  # exp's clamped range
+    edge = torch.tensor([-100.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 100.0, 3.0]).to(dtype)  # exp's clamped range
+    x[0, :8] = edge  # in a 16-lane step
+    x[1, 192:200] = edge  # in the 8-lane tail (200 = 12 * 16 + 8)
     want = F.silu(x.float()[:, :200]) * x.float()[:, 200:]
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(cpu_fused.silu_and_mul(x).float(), want, **tol)
@@ -277,7 +280,7 @@ def test_packed_panels_share_one_huge_page_buffer():
         assert ptrs[0] % HUGE_PAGE == 0 and _anon_huge_kib(ptrs[0]) >= HUGE_PAGE // 1024
 
 
-@pytest.mark.parametrize("v", [1, 7, 8, 32000])
+@pytest.mark.parametrize("v", [1, 7, 8, 40, 32000])  # 40: 16-lane steps and a tail
 def test_argmax_matches_torch(v):
     x = torch.randn(9, v + 3)[:, 1:1 + v]  # strided rows
     x[1] = 0.5  # all tied: the first
