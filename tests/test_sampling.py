@@ -152,6 +152,20 @@ def test_eos_and_ignore_eos(llm):
     assert all(EOS not in o.outputs[0].token_ids for o in eos_banned)
 
 
+def test_greedy_rows_beside_a_min_tokens_row(llm):
+    """All-greedy steps skip the per-row sampling settings only when no row has one: a row whose stop token is
+    banned until min_tokens, sampled in the same steps as a plain greedy row, still gets it banned."""
+    prompts = random_prompts(2, seed=23)
+    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in _gen(llm, prompts, plain)]
+    stop_tok = base[1][2]
+    held = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_tok], min_tokens=8)
+    alone = _gen(llm, [prompts[1]], held)[0].outputs[0].token_ids
+    both = [o.outputs[0].token_ids for o in _gen(llm, prompts, [plain, held])]
+    assert both == [base[0], alone]
+    assert len(alone) >= 8 and stop_tok not in alone[:8]
+
+
 def test_stop_string_across_token_boundary(llm):
     tok = llm.get_tokenizer()
     prompt = tok.encode("def main(argv):\n    return")
