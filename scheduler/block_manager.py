@@ -136,10 +136,11 @@ class BlockManager:
     def num_shared_blocks(self) -> int:
         return sum(1 for c in self.pool.ref_cnt if c > 1)
 
+    def _blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_new_tokens
-        need = max(0, -(-total // self.block_size) - len(seq.block_table))
-        return need + len(self._cow_targets(seq, num_new_tokens))
+        return self._blocks_to_grow(seq, num_new_tokens) + len(self._cow_targets(seq, num_new_tokens))
 
     def group_blocks_needed(self, seqs: list[Sequence], num_new_tokens: int) -> int:
         """Blocks that the next ``num_new_tokens`` of each of ``seqs`` (one request's, allocated together) take:
@@ -149,7 +150,7 @@ class BlockManager:
         writers: Counter[int] = Counter()
         for s in seqs:
             n = min(num_new_tokens, s.num_pending_tokens)
-            grow += max(0, -(-(s.num_computed_tokens + n) // self.block_size) - len(s.block_table))
+            grow += self._blocks_to_grow(s, n)
             writers.update(s.block_table[i] for i in self._cow_targets(s, n))
         return grow + sum(min(w, self.pool.ref_cnt[b] - 1) for b, w in writers.items())
 
@@ -172,9 +173,11 @@ class BlockManager:
 
         A shared block about to be written is replaced by a private copy, recorded in ``blocks_to_copy``.
         """
-        if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free:
+        cow = self._cow_targets(seq, num_new_tokens)
+        need = self._blocks_to_grow(seq, num_new_tokens)  # copies keep the table's length
+        if need + len(cow) > self.pool.num_free:
             return False
-        for i in self._cow_targets(seq, num_new_tokens):
+        for i in cow:
             src = seq.block_table[i]
             (dst,) = self.pool.allocate(1)
             self.pool.decref([src])
@@ -183,8 +186,6 @@ class BlockManager:
                 raise RuntimeError("copy-on-write needed but no blocks_to_copy list was given")
             blocks_to_copy.append((src, dst))
             self.num_copy_on_write += 1
-        total = seq.num_computed_tokens + num_new_tokens
-        need = max(0, -(-total // self.block_size) - len(seq.block_table))
         if need:
             seq.block_table.extend(self.pool.allocate(need))
         return True

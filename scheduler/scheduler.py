@@ -318,6 +318,8 @@ class Scheduler:
     def _admit_tokens(req: Request, budget: int) -> int:
         """Tokens per sequence this step: a prefill chunk can be long; a request's sequences go together."""
         seqs = req.live_seqs
+        if len(seqs) == 1:
+            return min(seqs[0].num_pending_tokens, budget)
         return min(max(s.num_pending_tokens for s in seqs), budget // len(seqs))
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> bool:
@@ -353,7 +355,10 @@ class Scheduler:
         return True
 
     def _schedule_request(self, out: SchedulerOutput, req: Request, n: int) -> int:
-        return sum(self._schedule_seq(out, req, s, min(n, s.num_pending_tokens)) for s in req.live_seqs)
+        seqs = req.live_seqs
+        if len(seqs) == 1:
+            return self._schedule_seq(out, req, seqs[0], min(n, seqs[0].num_pending_tokens))
+        return sum(self._schedule_seq(out, req, s, min(n, s.num_pending_tokens)) for s in seqs)
 
     def _schedule_seq(self, out: SchedulerOutput, req: Request, seq: Sequence, n: int) -> int:
         if seq.num_sent_tokens == 0:
@@ -433,10 +438,14 @@ class Scheduler:
                 req.num_prompt_logprobs = start + len(plps)
             if seq.num_computed_tokens >= seq.prompt_len:
                 req.prompt_logprobs_done = True
-        samples: dict[int, list[int]] = {}
-        for k, seq_id in enumerate(result.seq_ids):
-            samples.setdefault(seq_id, []).append(k)
-        for seq_id, rows in samples.items():
+        if sched.fork_seeds or sched.spec_token_ids:  # a sequence may have several rows
+            samples: dict[int, list[int]] = {}
+            for k, seq_id in enumerate(result.seq_ids):
+                samples.setdefault(seq_id, []).append(k)
+            rows_of = samples.items()
+        else:
+            rows_of = ((seq_id, [k]) for k, seq_id in enumerate(result.seq_ids))
+        for seq_id, rows in rows_of:
             if seq_id not in self.seqs:  # aborted while the step ran
                 continue
             req, seq = self.seqs[seq_id]
