@@ -28,32 +28,28 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint16_t bf16_t;
 
+// bf16 bits widened to fp32 (exact), and fp32 rounded to bf16 to nearest even, as torch's float -> bfloat16.
+template <typename F, typename U32, typename U16>
+inline F widen_bf16(const bf16_t* p) {
+  U16 h; std::memcpy(&h, p, sizeof h);
+  U32 w = __builtin_convertvector(h, U32) << 16;
+  F v; std::memcpy(&v, &w, sizeof v); return v;
+}
+template <typename U32, typename U16, typename F>
+inline void round_bf16(bf16_t* p, F v) {
+  U32 w; std::memcpy(&w, &v, sizeof w);
+  w += 0x7FFFu + ((w >> 16) & 1u);
+  U16 h = __builtin_convertvector(w >> 16, U16);
+  std::memcpy(p, &h, sizeof h);
+}
 inline f32x8 load8(const float* p) { f32x8 v; std::memcpy(&v, p, sizeof v); return v; }
-inline f32x8 load8(const bf16_t* p) {
-  u16x8 h; std::memcpy(&h, p, sizeof h);
-  u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  f32x8 v; std::memcpy(&v, &w, sizeof v); return v;
-}
+inline f32x8 load8(const bf16_t* p) { return widen_bf16<f32x8, u32x8, u16x8>(p); }
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
-inline void store8(bf16_t* p, f32x8 v) {  // round to nearest even, as torch's float -> bfloat16
-  u32x8 w; std::memcpy(&w, &v, sizeof w);
-  w += 0x7FFFu + ((w >> 16) & 1u);
-  u16x8 h = __builtin_convertvector(w >> 16, u16x8);
-  std::memcpy(p, &h, sizeof h);
-}
+inline void store8(bf16_t* p, f32x8 v) { round_bf16<u32x8, u16x8>(p, v); }
 inline f32x16 load16(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline f32x16 load16(const bf16_t* p) {
-  u16x16 h; std::memcpy(&h, p, sizeof h);
-  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v; std::memcpy(&v, &w, sizeof v); return v;
-}
+inline f32x16 load16(const bf16_t* p) { return widen_bf16<f32x16, u32x16, u16x16>(p); }
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-inline void store16(bf16_t* p, f32x16 v) {
-  u32x16 w; std::memcpy(&w, &v, sizeof w);
-  w += 0x7FFFu + ((w >> 16) & 1u);
-  u16x16 h = __builtin_convertvector(w >> 16, u16x16);
-  std::memcpy(p, &h, sizeof h);
-}
+inline void store16(bf16_t* p, f32x16 v) { round_bf16<u32x16, u16x16>(p, v); }
 inline float load1(const float* p) { return *p; }
 inline float load1(const bf16_t* p) { uint32_t w = uint32_t(*p) << 16; float f; std::memcpy(&f, &w, 4); return f; }
 inline void store1(float* p, float v) { *p = v; }
