@@ -125,6 +125,10 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

@@ -34,8 +34,8 @@ class SeqState:
 
     def __post_init__(self) -> None:
         p = self.params
-        self.plain_greedy = (p.is_greedy and p.logprobs is None and p.best_of <= p.n and p.min_tokens == 0
-                             and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
+        # (greedy implies best_of == 1, so no completions are ranked by logprob)
+        self.plain_greedy = p.is_greedy and p.logprobs is None and p.min_tokens == 0 and not p.has_penalties
 
 
 @dataclass
@@ -213,7 +213,7 @@ class ModelRunner:
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1))
         if md.max_num_logprobs < 0 and any(p.best_of > p.n for p in params):
             md.max_num_logprobs = 0  # best_of ranks completions by cumulative logprob
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+        if any(p.has_penalties for p in params):
             md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
             md.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
             md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
