@@ -14,9 +14,10 @@ free block is left.
 from __future__ import annotations
 
 import hashlib
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+from pagedserve.scheduler.free_runs import FreeRuns
 from pagedserve.scheduler.request import Sequence
 
 BlockHash = bytes
@@ -38,11 +39,11 @@ class CachedBlockInfo:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False, spread: bool = True) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))  # never cached, or evicted
+        self.free_blocks = FreeRuns(num_blocks, spread)  # never cached, or evicted
         self.evictor: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, oldest first
         self.cached: dict[BlockHash, int] = {}
         self.info: dict[int, CachedBlockInfo] = {}
@@ -51,18 +52,22 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free_blocks) + len(self.evictor)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """``n`` blocks, continuing from block ``after`` while the blocks after it are free."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
-        blocks = []
-        for _ in range(n):
-            if self.free_blocks:
-                b = self.free_blocks.popleft()
-            else:
-                b, _ = self.evictor.popitem(last=False)
-                del self.cached[self.info.pop(b).block_hash]
-            self.ref_cnt[b] = 1
+        blocks: list[int] = []
+        if after is not None:
+            while len(blocks) < n and self.free_blocks.take_after(after):
+                after += 1
+                blocks.append(after)
+        blocks += self.free_blocks.take(min(n - len(blocks), len(self.free_blocks)))
+        while len(blocks) < n:
+            b, _ = self.evictor.popitem(last=False)
+            del self.cached[self.info.pop(b).block_hash]
             blocks.append(b)
+        for b in blocks:
+            self.ref_cnt[b] = 1
         return blocks
 
     def incref(self, blocks: list[int]) -> None:
@@ -78,7 +83,7 @@ class BlockPool:
                 if b in self.info:
                     self.evictor[b] = None
                 else:
-                    self.free_blocks.append(b)
+                    self.free_blocks.put(b)
             elif self.ref_cnt[b] < 0:
                 raise RuntimeError(f"KV block {b} freed twice")
 
@@ -102,7 +107,8 @@ class BlockPool:
     def reset_cache(self) -> None:
         self.cached.clear()
         self.info.clear()
-        self.free_blocks.extend(self.evictor)
+        for b in self.evictor:
+            self.free_blocks.put(b)
         self.evictor.clear()
 
 
@@ -116,7 +122,7 @@ class BlockManager:
         # share_blocks=False is the no-sharing baseline: a forked sequence copies every shared block.
         self.share_blocks = share_blocks
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.cpu_pool = BlockPool(num_cpu_blocks)
+        self.cpu_pool = BlockPool(num_cpu_blocks, spread=False)  # swapped tables do not grow
         self._swapped: set[int] = set()  # sequences whose block table points into the CPU pool
         # New requests are admitted only while this many blocks stay free, so running ones can grow.
         self.watermark_blocks = int(watermark * num_blocks)
@@ -179,7 +185,7 @@ class BlockManager:
             return False
         for i in cow:
             src = seq.block_table[i]
-            (dst,) = self.pool.allocate(1)
+            (dst,) = self.pool.allocate(1, seq.block_table[i - 1] if i else None)
             self.pool.decref([src])
             seq.block_table[i] = dst
             if blocks_to_copy is None:
@@ -187,7 +193,7 @@ class BlockManager:
             blocks_to_copy.append((src, dst))
             self.num_copy_on_write += 1
         if need:
-            seq.block_table.extend(self.pool.allocate(need))
+            seq.block_table.extend(self.pool.allocate(need, seq.block_table[-1] if seq.block_table else None))
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
