@@ -4,9 +4,9 @@ CPUs bf16 items go to ``cpu_attention_bf16``).
 The torch reference gathers each sequence's blocks into a contiguous copy and runs one SDPA per prefill chunk
 from Python; this kernel reads K and V rows in place through the block table and takes the whole packed batch at
 once. Work items are a decode row (all heads) or a tile of up to 32 prefill rows for one KV head (its GQA group
-scored against each K row while it is in cache); items are split between torch's threads by their cost (rows x
-keys). Queries, scores, softmax and the output accumulator are fp32 whatever the storage dtype (bf16 is widened
-on load, the output rounded to nearest even once).
+scored against each K row while it is in cache); torch's threads take the items costliest first (rows x keys),
+each the next one as it finishes. Queries, scores, softmax and the output accumulator are fp32 whatever the
+storage dtype (bf16 is widened on load, the output rounded to nearest even once).
 """
 from __future__ import annotations
 
@@ -210,24 +210,22 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   const bool bf16_kernel = query.scalar_type() == torch::kBFloat16 && attention_bf16_takes(sh);
   const std::vector<AttnItem> items = plan(qsl, sl, B, sh, bf16_kernel ? std::max<int64_t>(1, 128 / sh.G) : 32);
   if (items.empty()) return;
-  std::vector<double> cum(items.size() + 1, 0.0);
-  for (size_t i = 0; i < items.size(); ++i) cum[i + 1] = cum[i] + items[i].cost;
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), items.size());
+  // Costliest items first, each thread taking the next one as it finishes (longest-processing-time order).
+  std::vector<int32_t> order(items.size());
+  for (size_t i = 0; i < items.size(); ++i) order[i] = int32_t(i);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return items[a].cost > items[b].cost; });
+  const int64_t n = int64_t(items.size()), parts = std::min<int64_t>(at::get_num_threads(), n);
+  std::atomic<int64_t> next{0};
   PS_DISPATCH(query.scalar_type(), [&] {
     const scalar* q = ptr<scalar>(query);
     const scalar* kc = ptr<scalar>(k_cache);
     const scalar* vc = ptr<scalar>(v_cache);
     scalar* o = mut_ptr<scalar>(out);
-    // Part p takes the items whose cost midpoint falls in its equal share of the total.
-    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const double lo = cum.back() * p / parts, hi = cum.back() * (p + 1) / parts;
-        for (size_t i = 0; i < items.size(); ++i) {
-          const double mid = 0.5 * (cum[i] + cum[i + 1]);
-          if (mid < lo || mid >= hi) continue;
-          if (!(bf16_kernel && attend_bf16_if(q, kc, vc, o, bt + items[i].seq * sh.max_blocks, items[i], sh)))
-            attend_item(q, kc, vc, o, bt + items[i].seq * sh.max_blocks, items[i], sh);
-        }
+    at::parallel_for(0, parts, 1, [&](int64_t, int64_t) {
+      for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+        const AttnItem& it = items[order[k]];
+        if (!(bf16_kernel && attend_bf16_if(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, sh)))
+          attend_item(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, sh);
       }
     });
   });

@@ -3,14 +3,15 @@
 A panel holds 32 output features as ``[K / 2, 32, 2]``: for each pair of k, the 32 columns' two weights side by side,
 which is the operand layout of ``vdpbf16ps`` (16 fp32 lanes, each adding the dot product of a bf16 pair). A row
 tile of up to 12 rows keeps 24 accumulators in zmm registers; per k pair it loads two weight vectors and, for each
-row, broadcasts that row's pair of activations into one ``vdpbf16ps`` per weight vector. Each thread owns a range
-of panels and, for each block of rows (whose activations stay in L2), runs every row tile over the full K of each
-of its panels, so outputs are written once, rounded to bf16 (or kept fp32, for logits). Every output is summed in k
-order whatever tile its row lands in, so a row's result is bitwise the same in any batch. Measured on the 2-core
-Zen 5 EPYC over all linears of ``bench-llama-58m`` (weights cold), against oneDNN with prepacked weights: oneDNN
-took 1.18-1.77x as long at 1-8 rows, 1.2-1.4x at 16-64, 0.95-1.1x at 128-2048 (where this kernel ran at 790-950
-GFLOP/s against 990 for a bf16 ``torch.matmul``). Each thread prefetches its next panel into L2 while it runs the
-first row tile over the current one: alpaca-like bf16 end to end 4856 -> 5095 tok/s (means of 3 alternating runs).
+row, broadcasts that row's pair of activations into one ``vdpbf16ps`` per weight vector. Threads claim chunks of
+(block of rows, panel) units as they go, blocks of rows first (their activations stay in L2), and run every row
+tile of a unit over the full K of its panel, so outputs are written once, rounded to bf16 (or kept fp32, for
+logits). Every output is summed in k order whatever tile or thread its row lands in, so a row's result is bitwise
+the same in any batch. Measured on the 2-core Zen 5 EPYC over all linears of ``bench-llama-58m`` (weights cold),
+against oneDNN with prepacked weights: oneDNN took 1.18-1.77x as long at 1-8 rows, 1.2-1.4x at 16-64, 0.95-1.1x
+at 128-2048 (where this kernel ran at 790-950 GFLOP/s against 990 for a bf16 ``torch.matmul``). Each thread
+prefetches its next panel into L2 while it runs the first row tile over the current one: alpaca-like bf16 end to
+end 4856 -> 5095 tok/s (means of 3 alternating runs).
 
 Built only where the compiler targets AVX512-BF16 (``-march=native`` on such a CPU); elsewhere ``available()`` is
 False and bf16 linears keep oneDNN's prepacked path.
@@ -94,15 +95,21 @@ template <typename Out>
 void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64_t K, int64_t P, int64_t N,
                const bf16_t* bp, Out* yp) {
   const int64_t K2 = K / 2;
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kBMC) {
-      const int64_t m1 = std::min(M, m0 + kBMC);
-      for (int64_t j = begin; j < end; ++j) {
+  // Units are (block of rows, panel), row blocks first: a block's activations stay in L2 while its panels run.
+  const int64_t units = (M + kBMC - 1) / kBMC * P, threads = std::min<int64_t>(at::get_num_threads(), units);
+  ChunkQueue queue(units, threads, 1);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (auto cur = queue.claim(); cur.first < units;) {
+      // The next chunk is claimed now, so that its first panel can stream in while this chunk's last one runs.
+      const auto next = queue.claim();
+      for (int64_t u = cur.first; u < cur.second; ++u) {
+        const int64_t m0 = u / P * kBMC, m1 = std::min(M, m0 + kBMC), j = u % P;
         const int64_t n0 = j * kBNR, ncols = std::min(kBNR, N - n0);
         const bf16_t* p = pp + j * K * kBNR;
         // The first tile over a panel also fetches this thread's next panel into L2, so the weights stream in
         // while the tiles run: all linears of bench-llama-58m, weights cold, 8 rows 1.94 -> 1.26-1.55 ms.
-        const bf16_t* pf = j + 1 < end ? p + K * kBNR : nullptr;
+        const int64_t v = u + 1 < cur.second ? u + 1 : next.first;
+        const bf16_t* pf = v < units ? pp + v % P * K * kBNR : nullptr;
         for (int64_t m = m0; m < m1;) {
           const int64_t mr = next_tile(m1 - m);
           kBTiles<Out>[mr](xp + m * ldx, ldx, p, K2, yp + m * N + n0, N, ncols, bp ? bp + n0 : nullptr,
@@ -110,6 +117,7 @@ void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64
           m += mr;
         }
       }
+      cur = next;
     }
   });
 }
