@@ -58,9 +58,7 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
         blocks: list[int] = []
         if after is not None:
-            while len(blocks) < n and self.free_blocks.take_after(after):
-                after += 1
-                blocks.append(after)
+            blocks = list(range(after + 1, after + 1 + self.free_blocks.take_after(after, n)))
         blocks += self.free_blocks.take(min(n - len(blocks), len(self.free_blocks)))
         while len(blocks) < n:
             b, _ = self.evictor.popitem(last=False)

@@ -32,17 +32,19 @@ class FreeRuns:
         for s, e in self._end.items():
             yield from range(s, e)
 
-    def take_after(self, block: int) -> bool:
-        """Take ``block + 1`` if it is free (``block`` itself being in use, it then starts a run)."""
+    def take_after(self, block: int, n: int = 1) -> int:
+        """Take up to ``n`` free blocks right after ``block`` (in use, so a free ``block + 1`` starts a run); how
+        many were taken."""
         s = block + 1
         e = self._end.get(s)
         if e is None:
-            return False
+            return 0
+        k = min(n, e - s)
         self._remove(s)
-        if s + 1 < e:
-            self._add(s + 1, e)
-        self._num_free -= 1
-        return True
+        if s + k < e:
+            self._add(s + k, e)
+        self._num_free -= k
+        return k
 
     def take(self, n: int) -> list[int]:
         """``n`` free blocks (at most ``len(self)``) in as few runs as possible, largest runs first."""
