@@ -15,6 +15,9 @@ slower dtype end to end. Here:
   come from broadcasting K's element pairs in place against the tile's queries packed as pairs, softmax runs down
   the key axis for the 16 lanes at once, and the weights, rounded to bf16 as torch's flash attention does for
   reduced precision, multiply the paired V rows. Scores and sums are fp32.
+- A decode row of more than 256 keys runs as parts of 256 keys on any thread, each leaving its top scores, sums
+  of exponentials and unnormalized outputs; the thread that finishes a row's last part merges them in part order,
+  so the result follows from the row alone, not from the batch or the threads.
 
 Built only where the compiler targets AVX512-BF16; ``cpu_attention`` uses the generic kernel elsewhere.
 """
@@ -62,14 +65,15 @@ inline __m512 transpose_sum16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
 
-// exp(s - max) in place over s[0:n]; returns 1 / their sum.
-inline float softmax_row(float* s, int64_t n) {
+// exp(s - max) in place over s[0:n]; returns their sum, and the max in *max_out.
+inline float softmax_row(float* s, int64_t n, float* max_out) {
   __m512 mv = _mm512_set1_ps(-INFINITY);
   int64_t t = 0;
   for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
   const __mmask16 tail = __mmask16((1u << (n - t)) - 1);
   if (t < n) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, s + t));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  *max_out = _mm512_reduce_max_ps(mv);
+  const __m512 m = _mm512_set1_ps(*max_out);
   __m512 sum = _mm512_setzero_ps();
   for (t = 0; t + 16 <= n; t += 16) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
@@ -81,18 +85,18 @@ inline float softmax_row(float* s, int64_t n) {
     _mm512_mask_storeu_ps(s + t, tail, e);
     sum = _mm512_mask_add_ps(sum, tail, sum, e);
   }
-  return 1.f / _mm512_reduce_add_ps(sum);
+  return _mm512_reduce_add_ps(sum);
 }
 
-// Offsets into the cache of tokens [0, L)'s rows (head 0), then `pad` times -1 (no token: a zero row).
-inline const int64_t* token_offsets(const int32_t* table, int64_t L, int64_t pad, const AttnShape& sh) {
+// Offsets into the cache of tokens [t0, t1)'s rows (head 0), then `pad` times -1 (no token: a zero row).
+inline const int64_t* token_offsets(const int32_t* table, int64_t t0, int64_t t1, int64_t pad, const AttnShape& sh) {
   thread_local std::vector<int64_t> off;
-  off.resize(L + pad);
-  for (int64_t t0 = 0, b = 0; t0 < L; t0 += sh.bs, ++b) {
-    const int64_t base = table[b] * sh.blk_stride, n = std::min(sh.bs, L - t0);
-    for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * sh.tok_stride;
+  off.resize(t1 - t0 + pad);
+  for (int64_t t = t0; t < t1;) {
+    const int64_t b = t / sh.bs, base = table[b] * sh.blk_stride, end = std::min(t1, (b + 1) * sh.bs);
+    for (; t < end; ++t) off[t - t0] = base + (t - b * sh.bs) * sh.tok_stride;
   }
-  for (int64_t t = L; t < L + pad; ++t) off[t] = -1;
+  for (int64_t t = t1 - t0; t < t1 - t0 + pad; ++t) off[t] = -1;
   return off.data();
 }
 
@@ -126,32 +130,32 @@ inline void prefetch_rows(const bf16_t* cache, const int64_t* off, int64_t t, in
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)(cache + off[u] + skip) + b, _MM_HINT_T0);
 }
 
-// One query position, every head, 16 keys at a time (their rows, all heads, while in L1). DV = D / 32.
+// One query row (`qrow`, every head) against keys [t0, t1) of its sequence, 16 keys at a time (their rows, all
+// heads, while in L1): per head hq, m[hq] = the highest score, l[hq] = the sum of exp(score - m[hq]) and acc[hq *
+// D:] = the sum of bf16(exp(score - m[hq])) x V, in the value pass's interleaved order (store_interleaved undoes
+// it). DV = D / 32.
 template <int DV>
-void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
-                 const AttnItem& it, const AttnShape& sh) {
+void decode_range(const bf16_t* qrow, const bf16_t* kc, const bf16_t* vc, const int32_t* table, int64_t t0,
+                  int64_t t1, const AttnShape& sh, float* m, float* l, float* acc) {
   constexpr int64_t D = 32 * DV;
-  thread_local std::vector<float> S, acc, inv;
+  thread_local std::vector<float> S;
   thread_local std::vector<bf16_t> P;
-  const int64_t G = sh.G, Hq = sh.Hq, L = it.ctx0 + 1, Lp = (L + 15) / 16 * 16;
+  const int64_t G = sh.G, Hq = sh.Hq, L = t1 - t0, Lp = (L + 15) / 16 * 16;
   S.resize(Hq * Lp);
   P.resize(Hq * Lp);
-  inv.resize(Hq);
-  acc.assign(Hq * D, 0.f);
+  std::fill(acc, acc + Hq * D, 0.f);
   const bf16_t* zero = zero_row(sh.tok_stride);
-  const int64_t* off = token_offsets(table, L, Lp - L, sh);
-  const bf16_t* qrow = q + it.first_token * sh.q_stride;
-  bf16_t* orow = out + it.first_token * sh.o_stride;
+  const int64_t* off = token_offsets(table, t0, t1, Lp - L, sh);
   const __m512 scale = _mm512_set1_ps(sh.scale);
   const bf16_t* rows[16];
   // Rows 32 keys ahead are prefetched while a chunk is scored or summed (without, 118 decode rows of ~400 keys
   // read 28 GB/s of KV; with 16 keys ahead 37, 32 ahead 46); the chunk after the first one, here.
   prefetch_rows(kc, off, 16, L, 0, sh.tok_stride * 2);
-  for (int64_t t0 = 0; t0 < L; t0 += 16) {
-    for (int j = 0; j < 16; ++j) rows[j] = off[t0 + j] < 0 ? zero : kc + off[t0 + j];
+  for (int64_t u0 = 0; u0 < L; u0 += 16) {
+    for (int j = 0; j < 16; ++j) rows[j] = off[u0 + j] < 0 ? zero : kc + off[u0 + j];
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / G;
-      if (hq % G == 0) prefetch_rows(kc, off, t0 + 32, L, h * D, D * 2);
+      if (hq % G == 0) prefetch_rows(kc, off, u0 + 32, L, h * D, D * 2);
       __m512bh qv[DV];
       for (int c = 0; c < DV; ++c) qv[c] = load_bh(qrow + hq * D + 32 * c);
       __m512 a[16];
@@ -161,14 +165,14 @@ void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* ou
         for (int c = 0; c < DV; ++c) x = _mm512_dpbf16_ps(x, qv[c], load_bh(rows[j] + h * D + 32 * c));
         a[j] = x;
       }
-      _mm512_storeu_ps(S.data() + hq * Lp + t0, _mm512_mul_ps(transpose_sum16(a), scale));
+      _mm512_storeu_ps(S.data() + hq * Lp + u0, _mm512_mul_ps(transpose_sum16(a), scale));
     }
   }
   // Weights rounded to bf16 (as in prefill and torch's reduced-precision attention), zero past L: the value pass
   // takes two keys per vdpbf16ps (a third of the instructions of widening V and fp32 FMAs).
   for (int64_t hq = 0; hq < Hq; ++hq) {
     float* s = S.data() + hq * Lp;
-    inv[hq] = softmax_row(s, L);
+    l[hq] = softmax_row(s, L, m + hq);
     bf16_t* pb = P.data() + hq * Lp;
     for (int64_t t = 0; t < Lp; t += 16) {
       const __mmask16 live = t + 16 <= L ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(0, L - t)) - 1);
@@ -177,14 +181,14 @@ void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* ou
   }
   prefetch_rows(vc, off, 0, L, 0, sh.tok_stride * 2);
   prefetch_rows(vc, off, 16, L, 0, sh.tok_stride * 2);
-  for (int64_t t0 = 0; t0 < L; t0 += 16) {
-    const int pairs = int(std::min<int64_t>(16, L - t0) + 1) / 2;
-    for (int j = 0; j < 2 * pairs; ++j) rows[j] = off[t0 + j] < 0 ? zero : vc + off[t0 + j];
+  for (int64_t u0 = 0; u0 < L; u0 += 16) {
+    const int pairs = int(std::min<int64_t>(16, L - u0) + 1) / 2;
+    for (int j = 0; j < 2 * pairs; ++j) rows[j] = off[u0 + j] < 0 ? zero : vc + off[u0 + j];
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / G;
-      if (hq % G == 0) prefetch_rows(vc, off, t0 + 32, L, h * D, D * 2);
-      const int32_t* pw = reinterpret_cast<const int32_t*>(P.data() + hq * Lp + t0);
-      float* o = acc.data() + hq * D;
+      if (hq % G == 0) prefetch_rows(vc, off, u0 + 32, L, h * D, D * 2);
+      const int32_t* pw = reinterpret_cast<const int32_t*>(P.data() + hq * Lp + u0);
+      float* o = acc + hq * D;
       __m512 a[2 * DV];
       for (int c = 0; c < 2 * DV; ++c) a[c] = _mm512_loadu_ps(o + 16 * c);
       for (int u = 0; u < pairs; ++u) {
@@ -199,12 +203,52 @@ void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* ou
       for (int c = 0; c < 2 * DV; ++c) _mm512_storeu_ps(o + 16 * c, a[c]);
     }
   }
-  for (int64_t hq = 0; hq < Hq; ++hq) {
-    const __m512 w = _mm512_set1_ps(inv[hq]);
-    const float* o = acc.data() + hq * D;
-    for (int c = 0; c < DV; ++c)
-      store_interleaved(orow + hq * D + 32 * c, _mm512_loadu_ps(o + 32 * c), _mm512_loadu_ps(o + 32 * c + 16), w);
+}
+
+// orow[hq] = acc[hq] / l[hq], rounded to bf16, for every head.
+inline void store_decode_row(bf16_t* orow, const float* acc, const float* l, const AttnShape& sh) {
+  for (int64_t hq = 0; hq < sh.Hq; ++hq) {
+    const __m512 w = _mm512_set1_ps(1.f / l[hq]);
+    const float* o = acc + hq * sh.D;
+    for (int64_t c = 0; c < sh.D / 32; ++c)
+      store_interleaved(orow + hq * sh.D + 32 * c, _mm512_loadu_ps(o + 32 * c), _mm512_loadu_ps(o + 32 * c + 16), w);
   }
+}
+
+// A decode row's output from the partial results of its n parts (each: Hq maxima, Hq sums, Hq x D outputs).
+inline void merge_parts(const float* parts, int64_t n, bf16_t* orow, const AttnShape& sh) {
+  const int64_t Hq = sh.Hq, D = sh.D, stride = Hq * (D + 2);
+  thread_local std::vector<float> acc, l;
+  acc.assign(Hq * D, 0.f);
+  l.assign(Hq, 0.f);
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float top = -INFINITY;
+    for (int64_t p = 0; p < n; ++p) top = std::max(top, parts[p * stride + hq]);
+    float* o = acc.data() + hq * D;
+    for (int64_t p = 0; p < n; ++p) {
+      const float* part = parts + p * stride;
+      const float w = std::exp(part[hq] - top);
+      l[hq] += w * part[Hq + hq];
+      const __m512 wv = _mm512_set1_ps(w);
+      const float* a = part + 2 * Hq + hq * D;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(o + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(a + d), _mm512_loadu_ps(o + d)));
+    }
+  }
+  store_decode_row(orow, acc.data(), l.data(), sh);
+}
+
+// One query position, every head, over its whole context.
+template <int DV>
+void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+                 const AttnItem& it, const AttnShape& sh) {
+  thread_local std::vector<float> acc, m, l;
+  acc.resize(sh.Hq * sh.D);
+  m.resize(sh.Hq);
+  l.resize(sh.Hq);
+  decode_range<DV>(q + it.first_token * sh.q_stride, kc, vc, table, 0, it.ctx0 + 1, sh, m.data(), l.data(),
+                   acc.data());
+  store_decode_row(out + it.first_token * sh.o_stride, acc.data(), l.data(), sh);
 }
 
 // One sequence's rows [r0, r1) for KV head h0. DV = D / 32.
@@ -219,7 +263,7 @@ void prefill_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* o
   const int64_t G = sh.G, h = it.h0, nq = (it.r1 - it.r0) * G;
   const int64_t L = it.ctx0 + it.r1, L2 = (L + 1) / 2;
   const bf16_t* zero = zero_row(sh.tok_stride);
-  const int64_t* off = token_offsets(table, L, 0, sh);
+  const int64_t* off = token_offsets(table, 0, L, 0, sh);
   thread_local std::vector<const bf16_t*> vrow;
   vrow.resize(2 * L2);
   for (int64_t t = 0; t < 2 * L2; ++t) vrow[t] = (t < L ? vc + off[t] : zero) + h * D;
@@ -319,8 +363,15 @@ void prefill_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* o
 
 template <int DV>
 void item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
-          const AttnItem& it, const AttnShape& sh) {
-  if (it.r1 - it.r0 == 1 && it.h1 - it.h0 == sh.Hkv)
+          const AttnItem& it, const AttnShape& sh, const DecodeParts& parts) {
+  if (it.parts > 1) {
+    float* p = parts.scratch + it.slot * parts.stride;
+    decode_range<DV>(q + it.first_token * sh.q_stride, kc, vc, table, it.k0, it.k1, sh, p, p + sh.Hq, p + 2 * sh.Hq);
+    // The thread that finishes a row's last part merges them all (in part order: the same whoever ran which).
+    if (parts.done[it.seq].fetch_add(1, std::memory_order_acq_rel) + 1 == it.parts)
+      merge_parts(parts.scratch + (it.slot - it.part) * parts.stride, it.parts, out + it.first_token * sh.o_stride,
+                  sh);
+  } else if (it.r1 - it.r0 == 1 && it.h1 - it.h0 == sh.Hkv)
     decode_item<DV>(q, kc, vc, out, table, it, sh);
   else
     for (int64_t h = it.h0; h < it.h1; ++h) {
@@ -335,16 +386,16 @@ void item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, cons
 bool attention_bf16_takes(const AttnShape& sh) { return sh.D % 32 == 0 && sh.D <= 256; }
 
 void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
-                      const AttnItem& it, const AttnShape& sh) {
+                      const AttnItem& it, const AttnShape& sh, const DecodeParts& parts) {
   switch (sh.D / 32) {
-    case 1: return abf::item<1>(q, kc, vc, out, table, it, sh);
-    case 2: return abf::item<2>(q, kc, vc, out, table, it, sh);
-    case 3: return abf::item<3>(q, kc, vc, out, table, it, sh);
-    case 4: return abf::item<4>(q, kc, vc, out, table, it, sh);
-    case 5: return abf::item<5>(q, kc, vc, out, table, it, sh);
-    case 6: return abf::item<6>(q, kc, vc, out, table, it, sh);
-    case 7: return abf::item<7>(q, kc, vc, out, table, it, sh);
-    default: return abf::item<8>(q, kc, vc, out, table, it, sh);
+    case 1: return abf::item<1>(q, kc, vc, out, table, it, sh, parts);
+    case 2: return abf::item<2>(q, kc, vc, out, table, it, sh, parts);
+    case 3: return abf::item<3>(q, kc, vc, out, table, it, sh, parts);
+    case 4: return abf::item<4>(q, kc, vc, out, table, it, sh, parts);
+    case 5: return abf::item<5>(q, kc, vc, out, table, it, sh, parts);
+    case 6: return abf::item<6>(q, kc, vc, out, table, it, sh, parts);
+    case 7: return abf::item<7>(q, kc, vc, out, table, it, sh, parts);
+    default: return abf::item<8>(q, kc, vc, out, table, it, sh, parts);
   }
 }
 
@@ -353,7 +404,7 @@ void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_
 namespace ps {
 bool attention_bf16_takes(const AttnShape&) { return false; }
 void attend_item_bf16(const bf16_t*, const bf16_t*, const bf16_t*, bf16_t*, const int32_t*, const AttnItem&,
-                      const AttnShape&) {
+                      const AttnShape&, const DecodeParts&) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 }  // namespace ps
