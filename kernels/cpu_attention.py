@@ -37,11 +37,11 @@ struct DecodeParts {
   int64_t stride;
 };
 
-// bf16 decode rows of more keys go in parts of this many, so that a long row runs on every thread rather than
-// one. bench-llama-58m bf16 decode steps (forward, LM head and argmax; alternating in one process): one row of
-// 2000 keys 3.43 -> 3.03 ms, of 8000 keys 7.93 -> 6.57, three of 3000 7.51 -> 7.05; 10 rows of 420 and 118 of 190
-// unchanged (parts of 128 keys: 118 x 190 took 24.08 ms against 23.36).
-constexpr int64_t kDecodePartKeys = 256;
+// bf16 decode rows of more keys go in near-equal parts of at most this many, so that a long row runs on every
+// thread rather than one. bench-llama-58m bf16 decode steps (forward, LM head and argmax; alternating in one
+// process), unsplit against parts of 512: one row of 2000 keys 3.48 -> 3.19 ms, one of 8000 keys 7.29 -> 4.77,
+// 4 x 1000, 32 x 600 and 64 x 700 within 1%. Parts of 256 cost 3-4% at 16 x 300 and 64 x 700 (per-part setup).
+constexpr int64_t kDecodePartKeys = 512;
 
 // Keys go in chunks of 8: eight dot products share each query load and end in one transposing reduction; the
 // value pass adds eight weighted rows per load and store of the accumulator.
@@ -189,10 +189,11 @@ std::vector<AttnItem> plan(const int32_t* qsl, const int32_t* sl, int64_t B, con
     const int64_t first = qsl[b], n = qsl[b + 1] - qsl[b], ctx0 = sl[b] - n;
     if (n <= 0) continue;
     if (n == 1 && part_keys > 0 && sl[b] > part_keys) {
-      const int64_t parts = (sl[b] + part_keys - 1) / part_keys;
+      // Near-equal parts of whole 16-key groups (600 keys: 304 + 296, not 512 + 88).
+      const int64_t parts = (sl[b] + part_keys - 1) / part_keys, keys = (sl[b] + 16 * parts - 1) / (16 * parts) * 16;
       for (int64_t p = 0; p < parts; ++p) {
         AttnItem it{b, first, ctx0, 0, 1, 0, sh.Hkv, 0.0};
-        it.k0 = p * part_keys; it.k1 = std::min<int64_t>(sl[b], it.k0 + part_keys);
+        it.k0 = p * keys; it.k1 = std::min<int64_t>(sl[b], it.k0 + keys);
         it.cost = double(it.k1 - it.k0) * sh.Hq;
         it.part = p; it.parts = parts; it.slot = *slots + p;
         items.push_back(it);

@@ -15,9 +15,10 @@ slower dtype end to end. Here:
   come from broadcasting K's element pairs in place against the tile's queries packed as pairs, softmax runs down
   the key axis for the 16 lanes at once, and the weights, rounded to bf16 as torch's flash attention does for
   reduced precision, multiply the paired V rows. Scores and sums are fp32.
-- A decode row of more than 256 keys runs as parts of 256 keys on any thread, each leaving its top scores, sums
-  of exponentials and unnormalized outputs; the thread that finishes a row's last part merges them in part order,
-  so the result follows from the row alone, not from the batch or the threads.
+- A decode row of more than 512 keys runs as near-equal parts of at most 512 keys on any thread, each leaving
+  its top scores, sums of exponentials and unnormalized outputs; the thread that finishes a row's last part merges
+  them in part order, so the result follows from the row alone, not from the batch or the threads. One row of
+  8000 keys: a decode step 7.29 -> 4.77 ms (the attention had run on one of the two cores).
 
 Built only where the compiler targets AVX512-BF16; ``cpu_attention`` uses the generic kernel elsewhere.
 """
