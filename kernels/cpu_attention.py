@@ -3,9 +3,10 @@ CPUs bf16 items go to ``cpu_attention_bf16``).
 
 The torch reference gathers each sequence's blocks into a contiguous copy and runs one SDPA per prefill chunk
 from Python; this kernel reads K and V rows in place through the block table and takes the whole packed batch at
-once. Work items are a decode row (all heads) or a tile of up to 32 prefill rows for one KV head (its GQA group
-scored against each K row while it is in cache); torch's threads take the items costliest first (rows x keys),
-each the next one as it finishes. Queries, scores, softmax and the output accumulator are fp32 whatever the
+once. Work items are a decode row (all heads; a row of more than 512 keys in near-equal parts, merged by the
+thread that finishes its last part) or a tile of up to 32 prefill rows for one KV head (its GQA group scored
+against each K row while it is in cache); torch's threads take the items costliest first (rows x keys), each the
+next one as it finishes. Queries, scores, softmax and the output accumulator are fp32 whatever the
 storage dtype (bf16 is widened on load, the output rounded to nearest even once).
 """
 from __future__ import annotations
@@ -37,10 +38,11 @@ struct DecodeParts {
   int64_t stride;
 };
 
-// bf16 decode rows of more keys go in near-equal parts of at most this many, so that a long row runs on every
-// thread rather than one. bench-llama-58m bf16 decode steps (forward, LM head and argmax; alternating in one
+// Decode rows of more keys go in near-equal parts of at most this many, so that a long row runs on every thread
+// rather than one. bench-llama-58m bf16 decode steps (forward, LM head and argmax; alternating in one
 // process), unsplit against parts of 512: one row of 2000 keys 3.48 -> 3.19 ms, one of 8000 keys 7.29 -> 4.77,
 // 4 x 1000, 32 x 600 and 64 x 700 within 1%. Parts of 256 cost 3-4% at 16 x 300 and 64 x 700 (per-part setup).
+// fp32, one row of 8000 keys: 14.45-14.79 -> 11.90-12.44 ms (alternating processes).
 constexpr int64_t kDecodePartKeys = 512;
 
 // Keys go in chunks of 8: eight dot products share each query load and end in one transposing reduction; the
@@ -72,13 +74,15 @@ inline void axpy8(float* acc, const float* p, const T* const* v, int64_t D) {
   }
 }
 
-// exp(s - max) in place over s[0:n]; returns 1 / their sum (the normalization is applied to the output).
-inline float softmax_unnormalized(float* s, int64_t n) {
+// exp(s - max) in place over s[0:n]; returns their sum (the normalization is applied to the output), and the max
+// in *max_out.
+inline float softmax_unnormalized(float* s, int64_t n, float* max_out) {
   f32x8 mv = splat(-INFINITY);
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) { f32x8 x = load8(s + t); mv = x > mv ? x : mv; }
   float m = hmax(mv);
   for (; t < n; ++t) m = std::max(m, s[t]);
+  *max_out = m;
   f32x8 sv = {};
   t = 0;
   for (; t + 8 <= n; t += 8) { f32x8 e = exp8(load8(s + t) - m); store8(s + t, e); sv += e; }
@@ -89,7 +93,7 @@ inline float softmax_unnormalized(float* s, int64_t n) {
     f32x8 e = exp8(load8(buf));
     for (int64_t i = 0; t + i < n; ++i) { s[t + i] = e[i]; sum += e[i]; }
   }
-  return 1.f / sum;
+  return sum;
 }
 
 // Pointers to the cache rows (token start, head 0) of keys t0 .. t0 + 7; keys past L point at a zero row.
@@ -102,19 +106,46 @@ inline void chunk_rows(const T* cache, const int32_t* table, int64_t t0, int64_t
   }
 }
 
+// A decode row's output from the partial results of its n parts (each: Hq maxima, Hq sums, Hq x D outputs not yet
+// divided by the sums), merged in part order.
+template <typename T>
+void merge_parts(const float* parts, int64_t n, T* orow, const AttnShape& sh) {
+  const int64_t Hq = sh.Hq, D = sh.D, stride = Hq * (D + 2);
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float top = -INFINITY, l = 0.f;
+    for (int64_t p = 0; p < n; ++p) top = std::max(top, parts[p * stride + hq]);
+    thread_local std::vector<float> w;
+    w.resize(n);
+    for (int64_t p = 0; p < n; ++p) {
+      w[p] = std::exp(parts[p * stride + hq] - top);
+      l += w[p] * parts[p * stride + Hq + hq];
+    }
+    for (int64_t d = 0; d < D; d += 8) {
+      f32x8 a = {};
+      for (int64_t p = 0; p < n; ++p) a += splat(w[p]) * load8(parts + p * stride + 2 * Hq + hq * D + d);
+      store8(orow + hq * D + d, a * (1.f / l));
+    }
+  }
+}
+
+// A work item of plan(); a decode row's part leaves its partial results in split's scratch, and the thread that
+// finishes the row's last part merges them.
 template <typename T>
 void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* table, const AttnItem& it,
-                 const AttnShape& sh) {
-  thread_local std::vector<float> qf, S, acc, inv;
+                 const AttnShape& sh, const DecodeParts& split) {
+  thread_local std::vector<float> qf, S, acc, sums, top;
   thread_local std::vector<T> zero;
   const int64_t nr = it.r1 - it.r0, nh = it.h1 - it.h0, G = sh.G, D = sh.D;
   const int64_t nq = nr * nh * G;               // query vectors, ordered (row, KV head, group member)
-  const int64_t L = it.ctx0 + it.r1;            // keys the tile's last row attends to
-  const int64_t Lp = (L + kChunk - 1) / kChunk * kChunk;
+  const bool part = it.parts > 1;               // keys [k0, k1) of a decode row (one row, every head)
+  const int64_t k0 = part ? it.k0 : 0;
+  const int64_t L = part ? it.k1 : it.ctx0 + it.r1;  // keys the tile's last row attends to
+  const int64_t Lp = (L - k0 + kChunk - 1) / kChunk * kChunk;
   qf.resize(nq * D);
   S.resize(nq * Lp);
   acc.assign(nq * D, 0.f);
-  inv.resize(nq);
+  sums.resize(nq);
+  top.resize(nq);
   if (int64_t(zero.size()) < sh.tok_stride) zero.assign(sh.tok_stride, T(0));
   const int64_t row0 = it.first_token + it.r0;
   for (int64_t i = 0; i < nr; ++i)
@@ -128,30 +159,40 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
   const int64_t lag = it.ctx0 + it.r0;
   const T* rows[kChunk];
   const T* hr[kChunk];
-  for (int64_t t0 = 0; t0 < L; t0 += kChunk) {
+  for (int64_t t0 = k0; t0 < L; t0 += kChunk) {
     chunk_rows(kc, table, t0, L, sh, zero.data(), rows);
     for (int64_t i = std::max<int64_t>(0, t0 - lag); i < nr; ++i)
       for (int64_t hh = 0; hh < nh; ++hh) {
         for (int j = 0; j < kChunk; ++j) hr[j] = rows[j] + (it.h0 + hh) * D;
         const int64_t base = (i * nh + hh) * G;
-        for (int64_t g = 0; g < G; ++g) dot8(qf.data() + (base + g) * D, hr, D, S.data() + (base + g) * Lp + t0);
+        for (int64_t g = 0; g < G; ++g)
+          dot8(qf.data() + (base + g) * D, hr, D, S.data() + (base + g) * Lp + t0 - k0);
       }
   }
   for (int64_t i = 0; i < nr; ++i)
     for (int64_t j = 0; j < nh * G; ++j) {
-      const int64_t qi = i * nh * G + j, n = lag + i + 1;
-      inv[qi] = softmax_unnormalized(S.data() + qi * Lp, n);
+      const int64_t qi = i * nh * G + j, n = part ? L - k0 : lag + i + 1;
+      sums[qi] = softmax_unnormalized(S.data() + qi * Lp, n, &top[qi]);
       std::fill(S.data() + qi * Lp + n, S.data() + (qi + 1) * Lp, 0.f);  // keys past the row's position
     }
-  for (int64_t t0 = 0; t0 < L; t0 += kChunk) {
+  for (int64_t t0 = k0; t0 < L; t0 += kChunk) {
     chunk_rows(vc, table, t0, L, sh, zero.data(), rows);
     for (int64_t i = std::max<int64_t>(0, t0 - lag); i < nr; ++i)
       for (int64_t hh = 0; hh < nh; ++hh) {
         for (int j = 0; j < kChunk; ++j) hr[j] = rows[j] + (it.h0 + hh) * D;
         const int64_t base = (i * nh + hh) * G;
         for (int64_t g = 0; g < G; ++g)
-          axpy8(acc.data() + (base + g) * D, S.data() + (base + g) * Lp + t0, hr, D);
+          axpy8(acc.data() + (base + g) * D, S.data() + (base + g) * Lp + t0 - k0, hr, D);
       }
+  }
+  if (part) {  // query vector qi is head qi here
+    float* p = split.scratch + it.slot * split.stride;
+    std::copy(top.begin(), top.begin() + nq, p);
+    std::copy(sums.begin(), sums.begin() + nq, p + nq);
+    std::copy(acc.begin(), acc.begin() + nq * D, p + 2 * nq);
+    if (split.done[it.seq].fetch_add(1, std::memory_order_acq_rel) + 1 == it.parts)
+      merge_parts(split.scratch + (it.slot - it.part) * split.stride, it.parts, out + row0 * sh.o_stride, sh);
+    return;
   }
   for (int64_t i = 0; i < nr; ++i)
     for (int64_t hh = 0; hh < nh; ++hh)
@@ -159,7 +200,7 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
         const int64_t qi = (i * nh + hh) * G + g;
         T* dst = out + (row0 + i) * sh.o_stride + ((it.h0 + hh) * G + g) * D;
         const float* a = acc.data() + qi * D;
-        const f32x8 w = splat(inv[qi]);
+        const f32x8 w = splat(1.f / sums[qi]);
         for (int64_t d = 0; d < D; d += 8) store8(dst + d, load8(a + d) * w);
       }
 }
@@ -238,12 +279,11 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   const int32_t* qsl = qsl_c.data_ptr<int32_t>();
   const int32_t* sl = sl_c.data_ptr<int32_t>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
-  // The bf16 kernel packs each item's V rows once: larger items (128 query vectors) share that. It splits decode
-  // rows of more than kDecodePartKeys keys, so that a few long rows spread over the threads.
+  // The bf16 kernel packs each item's V rows once: larger items (128 query vectors) share that.
   const bool bf16_kernel = query.scalar_type() == torch::kBFloat16 && attention_bf16_takes(sh);
   int64_t slots = 0;
   const std::vector<AttnItem> items = plan(qsl, sl, B, sh, bf16_kernel ? std::max<int64_t>(1, 128 / sh.G) : 32,
-                                           bf16_kernel ? kDecodePartKeys : 0, &slots);
+                                           kDecodePartKeys, &slots);
   if (items.empty()) return;
   std::vector<float> scratch(slots * sh.Hq * (sh.D + 2));
   std::vector<std::atomic<int32_t>> done(slots > 0 ? B : 0);
@@ -264,7 +304,7 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
       for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
         const AttnItem& it = items[order[k]];
         if (!(bf16_kernel && attend_bf16_if(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, sh, split)))
-          attend_item(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, sh);
+          attend_item(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, sh, split);
       }
     });
   });

@@ -75,16 +75,18 @@ def test_bf16_attention_long_prefills(gqa, head_size, block_size):
     torch.testing.assert_close(cpu_attention.paged_attention(*case).float(), want, atol=1e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gqa,head_size,block_size", [(1, 64, 16), (4, 128, 32), (2, 96, 8)])
-def test_bf16_decodes_in_parts_match_and_do_not_depend_on_the_batch(gqa, head_size, block_size):
-    """bf16 decode rows of more than 512 keys run in parts on both threads and merge: the result matches the fp32
+def test_decodes_in_parts_match_and_do_not_depend_on_the_batch(dtype, gqa, head_size, block_size):
+    """Decode rows of more than 512 keys run in parts on both threads and merge: the result matches the fp32
     reference, and each row's is bitwise the same alone and in a batch (the parts follow its length only)."""
     ctx = [512, 513, 3000, 40, 1023, 1300]  # one part, just over, many, short, odd ends
-    case = paged_case([1] * len(ctx), [c - 1 for c in ctx], gqa, block_size, head_size, torch.bfloat16,
+    case = paged_case([1] * len(ctx), [c - 1 for c in ctx], gqa, block_size, head_size, dtype,
                       seed=gqa + head_size + block_size)
     q, k, v, table, qsl, seq_lens, scale = case
     got = cpu_attention.paged_attention(*case)
-    torch.testing.assert_close(got.float(), reference_fp32(*case), atol=1e-2, rtol=2e-2)
+    tol = FP32_TOL if dtype == torch.float32 else dict(atol=1e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), reference_fp32(*case), **tol)
     for i in range(len(ctx)):
         alone = cpu_attention.paged_attention(q[i:i + 1], k, v, table[i:i + 1], qsl[:2], seq_lens[i:i + 1], scale)
         assert torch.equal(alone, got[i:i + 1])
