@@ -106,30 +106,30 @@ inline void chunk_rows(const T* cache, const int32_t* table, int64_t t0, int64_t
   }
 }
 
-// A decode row's output from the partial results of its n parts (each: Hq maxima, Hq sums, Hq x D outputs not yet
-// divided by the sums), merged in part order.
-template <typename T>
-void merge_parts(const float* parts, int64_t n, T* orow, const AttnShape& sh) {
+// The partial results of a decode row's n parts (each: Hq maxima, Hq sums, Hq x D outputs not yet divided by the
+// sums) combined in part order: acc = the outputs and l = the sums, each part scaled by exp(its max - the top).
+inline void combine_parts(const float* parts, int64_t n, const AttnShape& sh, float* acc, float* l) {
   const int64_t Hq = sh.Hq, D = sh.D, stride = Hq * (D + 2);
+  thread_local std::vector<float> w;
+  w.resize(n);
   for (int64_t hq = 0; hq < Hq; ++hq) {
-    float top = -INFINITY, l = 0.f;
+    float top = -INFINITY;
     for (int64_t p = 0; p < n; ++p) top = std::max(top, parts[p * stride + hq]);
-    thread_local std::vector<float> w;
-    w.resize(n);
+    l[hq] = 0.f;
     for (int64_t p = 0; p < n; ++p) {
       w[p] = std::exp(parts[p * stride + hq] - top);
-      l += w[p] * parts[p * stride + Hq + hq];
+      l[hq] += w[p] * parts[p * stride + Hq + hq];
     }
     for (int64_t d = 0; d < D; d += 8) {
       f32x8 a = {};
       for (int64_t p = 0; p < n; ++p) a += splat(w[p]) * load8(parts + p * stride + 2 * Hq + hq * D + d);
-      store8(orow + hq * D + d, a * (1.f / l));
+      store8(acc + hq * D + d, a);
     }
   }
 }
 
 // A work item of plan(); a decode row's part leaves its partial results in split's scratch, and the thread that
-// finishes the row's last part merges them.
+// finishes the row's last part combines them and writes the row.
 template <typename T>
 void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* table, const AttnItem& it,
                  const AttnShape& sh, const DecodeParts& split) {
@@ -190,9 +190,8 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
     std::copy(top.begin(), top.begin() + nq, p);
     std::copy(sums.begin(), sums.begin() + nq, p + nq);
     std::copy(acc.begin(), acc.begin() + nq * D, p + 2 * nq);
-    if (split.done[it.seq].fetch_add(1, std::memory_order_acq_rel) + 1 == it.parts)
-      merge_parts(split.scratch + (it.slot - it.part) * split.stride, it.parts, out + row0 * sh.o_stride, sh);
-    return;
+    if (split.done[it.seq].fetch_add(1, std::memory_order_acq_rel) + 1 < it.parts) return;
+    combine_parts(split.scratch + (it.slot - it.part) * split.stride, it.parts, sh, acc.data(), sums.data());
   }
   for (int64_t i = 0; i < nr; ++i)
     for (int64_t hh = 0; hh < nh; ++hh)
@@ -219,8 +218,8 @@ inline bool attend_bf16_if(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, 
 }
 
 // Work items: a decode row (all heads), or up to tile_rows prefill rows of one KV head. With part_keys > 0, a
-// decode row of more keys goes in parts of part_keys keys (by its own length only, so that its result does not
-// depend on the batch); *slots counts the parts.
+// decode row of more keys goes in near-equal parts of at most part_keys keys (by its own length only, so that its
+// result does not depend on the batch); *slots counts the parts.
 std::vector<AttnItem> plan(const int32_t* qsl, const int32_t* sl, int64_t B, const AttnShape& sh, int64_t tile_rows,
                            int64_t part_keys, int64_t* slots) {
   std::vector<AttnItem> items;

@@ -216,29 +216,6 @@ inline void store_decode_row(bf16_t* orow, const float* acc, const float* l, con
   }
 }
 
-// A decode row's output from the partial results of its n parts (each: Hq maxima, Hq sums, Hq x D outputs).
-inline void merge_parts(const float* parts, int64_t n, bf16_t* orow, const AttnShape& sh) {
-  const int64_t Hq = sh.Hq, D = sh.D, stride = Hq * (D + 2);
-  thread_local std::vector<float> acc, l;
-  acc.assign(Hq * D, 0.f);
-  l.assign(Hq, 0.f);
-  for (int64_t hq = 0; hq < Hq; ++hq) {
-    float top = -INFINITY;
-    for (int64_t p = 0; p < n; ++p) top = std::max(top, parts[p * stride + hq]);
-    float* o = acc.data() + hq * D;
-    for (int64_t p = 0; p < n; ++p) {
-      const float* part = parts + p * stride;
-      const float w = std::exp(part[hq] - top);
-      l[hq] += w * part[Hq + hq];
-      const __m512 wv = _mm512_set1_ps(w);
-      const float* a = part + 2 * Hq + hq * D;
-      for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(o + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(a + d), _mm512_loadu_ps(o + d)));
-    }
-  }
-  store_decode_row(orow, acc.data(), l.data(), sh);
-}
-
 // One query position, every head, over its whole context.
 template <int DV>
 void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
@@ -368,10 +345,14 @@ void item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, cons
   if (it.parts > 1) {
     float* p = parts.scratch + it.slot * parts.stride;
     decode_range<DV>(q + it.first_token * sh.q_stride, kc, vc, table, it.k0, it.k1, sh, p, p + sh.Hq, p + 2 * sh.Hq);
-    // The thread that finishes a row's last part merges them all (in part order: the same whoever ran which).
-    if (parts.done[it.seq].fetch_add(1, std::memory_order_acq_rel) + 1 == it.parts)
-      merge_parts(parts.scratch + (it.slot - it.part) * parts.stride, it.parts, out + it.first_token * sh.o_stride,
-                  sh);
+    // The thread that finishes a row's last part combines them all (in part order: the same whoever ran which).
+    if (parts.done[it.seq].fetch_add(1, std::memory_order_acq_rel) + 1 == it.parts) {
+      thread_local std::vector<float> acc, l;
+      acc.resize(sh.Hq * sh.D);
+      l.resize(sh.Hq);
+      combine_parts(parts.scratch + (it.slot - it.part) * parts.stride, it.parts, sh, acc.data(), l.data());
+      store_decode_row(out + it.first_token * sh.o_stride, acc.data(), l.data(), sh);
+    }
   } else if (it.r1 - it.r0 == 1 && it.h1 - it.h0 == sh.Hkv)
     decode_item<DV>(q, kc, vc, out, table, it, sh);
   else
