@@ -207,13 +207,13 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
 // Defined by cpu_attention_bf16 (where the compiler targets AVX512-BF16: else the first says no).
 bool attention_bf16_takes(const AttnShape& sh);
 void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
-                      const AttnItem& it, const AttnShape& sh, const DecodeParts& parts);
+                      const AttnItem& it, const AttnShape& sh, const DecodeParts& split);
 
 inline bool attend_bf16_if(const float*, const float*, const float*, float*, const int32_t*, const AttnItem&,
                            const AttnShape&, const DecodeParts&) { return false; }
 inline bool attend_bf16_if(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
-                           const AttnItem& it, const AttnShape& sh, const DecodeParts& parts) {
-  attend_item_bf16(q, kc, vc, out, table, it, sh, parts);
+                           const AttnItem& it, const AttnShape& sh, const DecodeParts& split) {
+  attend_item_bf16(q, kc, vc, out, table, it, sh, split);
   return true;
 }
 

@@ -341,16 +341,16 @@ void prefill_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* o
 
 template <int DV>
 void item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
-          const AttnItem& it, const AttnShape& sh, const DecodeParts& parts) {
+          const AttnItem& it, const AttnShape& sh, const DecodeParts& split) {
   if (it.parts > 1) {
-    float* p = parts.scratch + it.slot * parts.stride;
+    float* p = split.scratch + it.slot * split.stride;
     decode_range<DV>(q + it.first_token * sh.q_stride, kc, vc, table, it.k0, it.k1, sh, p, p + sh.Hq, p + 2 * sh.Hq);
     // The thread that finishes a row's last part combines them all (in part order: the same whoever ran which).
-    if (parts.done[it.seq].fetch_add(1, std::memory_order_acq_rel) + 1 == it.parts) {
+    if (split.done[it.seq].fetch_add(1, std::memory_order_acq_rel) + 1 == it.parts) {
       thread_local std::vector<float> acc, l;
       acc.resize(sh.Hq * sh.D);
       l.resize(sh.Hq);
-      combine_parts(parts.scratch + (it.slot - it.part) * parts.stride, it.parts, sh, acc.data(), l.data());
+      combine_parts(split.scratch + (it.slot - it.part) * split.stride, it.parts, sh, acc.data(), l.data());
       store_decode_row(out + it.first_token * sh.o_stride, acc.data(), l.data(), sh);
     }
   } else if (it.r1 - it.r0 == 1 && it.h1 - it.h0 == sh.Hkv)
@@ -368,16 +368,16 @@ void item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, cons
 bool attention_bf16_takes(const AttnShape& sh) { return sh.D % 32 == 0 && sh.D <= 256; }
 
 void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
-                      const AttnItem& it, const AttnShape& sh, const DecodeParts& parts) {
+                      const AttnItem& it, const AttnShape& sh, const DecodeParts& split) {
   switch (sh.D / 32) {
-    case 1: return abf::item<1>(q, kc, vc, out, table, it, sh, parts);
-    case 2: return abf::item<2>(q, kc, vc, out, table, it, sh, parts);
-    case 3: return abf::item<3>(q, kc, vc, out, table, it, sh, parts);
-    case 4: return abf::item<4>(q, kc, vc, out, table, it, sh, parts);
-    case 5: return abf::item<5>(q, kc, vc, out, table, it, sh, parts);
-    case 6: return abf::item<6>(q, kc, vc, out, table, it, sh, parts);
-    case 7: return abf::item<7>(q, kc, vc, out, table, it, sh, parts);
-    default: return abf::item<8>(q, kc, vc, out, table, it, sh, parts);
+    case 1: return abf::item<1>(q, kc, vc, out, table, it, sh, split);
+    case 2: return abf::item<2>(q, kc, vc, out, table, it, sh, split);
+    case 3: return abf::item<3>(q, kc, vc, out, table, it, sh, split);
+    case 4: return abf::item<4>(q, kc, vc, out, table, it, sh, split);
+    case 5: return abf::item<5>(q, kc, vc, out, table, it, sh, split);
+    case 6: return abf::item<6>(q, kc, vc, out, table, it, sh, split);
+    case 7: return abf::item<7>(q, kc, vc, out, table, it, sh, split);
+    default: return abf::item<8>(q, kc, vc, out, table, it, sh, split);
   }
 }
 
