@@ -117,25 +117,25 @@ template <typename T> inline const T* ptr(const torch::Tensor& t) {
 template <typename T> inline T* mut_ptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
 // Guided self-scheduling of [0, n) over torch's threads: claim() hands out the next chunk [first, second), a
-// 1 / (2 x threads) share of what is left but at least min_chunk, and first == n once all is given out. A thread
+// 1 / (2 x threads) share of what is left but at least one, and first == n once all is given out. A thread
 // that starts late (the other vCPU waking from its spin) or runs slower (host load on its core) takes less. With
 // halves fixed in advance, the two threads of the 2-core EPYC waited for each other in 6.5% and 10% of their
 // samples outside Python, mostly in GEMMs and decode attention; with this, 2.6% and 6% (perf, sharegpt-like bf16).
 class ChunkQueue {
  public:
-  ChunkQueue(int64_t n, int64_t threads, int64_t min_chunk) : n_(n), div_(2 * threads), min_(min_chunk) {}
+  ChunkQueue(int64_t n, int64_t threads) : n_(n), div_(2 * threads) {}
   std::pair<int64_t, int64_t> claim() {
     int64_t b = next_.load(std::memory_order_relaxed);
     for (;;) {
       if (b >= n_) return {n_, n_};
-      const int64_t e = std::min(n_, b + std::max(min_, (n_ - b) / div_));
+      const int64_t e = std::min(n_, b + std::max<int64_t>(1, (n_ - b) / div_));
       if (next_.compare_exchange_weak(b, e, std::memory_order_relaxed)) return {b, e};
     }
   }
 
  private:
   std::atomic<int64_t> next_{0};
-  const int64_t n_, div_, min_;
+  const int64_t n_, div_;
 };
 
 // Runs body(storage type tag) for a float32 or bfloat16 tensor.

@@ -101,7 +101,7 @@ void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64
   // one thread most of the 240-row units and the other the cheap 16-row ones (620 GFLOP/s; 132 + 124: ~1000).
   const int64_t blocks = (M + kBMC - 1) / kBMC, mb = ((M + blocks - 1) / blocks + kBMR - 1) / kBMR * kBMR;
   const int64_t units = (M + mb - 1) / mb * P, threads = std::min<int64_t>(at::get_num_threads(), units);
-  ChunkQueue queue(units, threads, 1);
+  ChunkQueue queue(units, threads);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (auto cur = queue.claim(); cur.first < units;) {
       // The next chunk is claimed now, so that its first panel can stream in while this chunk's last one runs.
