@@ -15,6 +15,7 @@ HEADER = r"""
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include <unistd.h>
 
 namespace ps {
 
