@@ -67,7 +67,8 @@ def run_vllm(model: str, prompts: list[list[int]], out_lens: list[int], dtype: s
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))} | extra_env
         proc = subprocess.run([VLLM_PYTHON, os.path.join(HERE, "vllm_driver.py"), "--model", model, "--workload", wl,
                                "--dtype", dtype, "--out", out, "--threads", str(threads)],
-                              env=env, capture_output=True, text=True, timeout=3600)
+                              env=env, capture_output=True, text=True, timeout=3600,
+                              cwd=d)  # not the repo root: its kernels/ would shadow the `kernels` package
         if proc.returncode != 0:
             raise RuntimeError(f"vLLM driver failed:\n{proc.stderr[-4000:]}")
         with open(out) as f:
