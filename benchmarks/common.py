@@ -161,8 +161,8 @@ def cpu_description() -> str:
             l1d = f.read().strip()
     except OSError:
         return platform.processor() or platform.machine()
-    return f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})" \
-        f", L1d {l1d}"
+    family, model = fields.get("cpu family", "?"), fields.get("model", "?")
+    return f"{fields.get('model name', '?')} (family {family} model {model}), L1d {l1d}"
 
 
 def save_results(name: str, data: dict) -> str:

@@ -6,7 +6,8 @@ slower dtype end to end. Here:
 
 - A decode row (one query position, all heads) scores 16 keys at a time: per key, ``D / 32`` dot-product
   instructions on the bf16 row as stored, then one transposing reduction for the 16 keys; each 16-key chunk is
-  done for all heads while in L1, and rows 32 keys ahead are prefetched. Softmax is fp32; the value pass takes two
+  done for all heads while in L1, and rows 32 keys ahead are prefetched: into L1 where the keys in flight fit it,
+  else into L2 (Zen 4, 32 KB L1D: 118 rows of 300 keys 21 -> 30 GB/s). Softmax is fp32; the value pass takes two
   keys per instruction on interleaved V rows with the weights rounded to bf16, as in prefill. A step of 118 rows
   of ~400 keys read 21 GB/s of KV with the generic kernel, 28 here without the prefetch, 38-46 with it; from cache
   (no DRAM), widened V rows with fp32 FMAs ran 100 GB/s, paired ones 130.
