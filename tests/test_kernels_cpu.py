@@ -76,13 +76,15 @@ def test_bf16_attention_long_prefills(gqa, head_size, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("gqa,head_size,block_size", [(1, 64, 16), (4, 128, 32), (2, 96, 8)])
-def test_decodes_in_parts_match_and_do_not_depend_on_the_batch(dtype, gqa, head_size, block_size):
+# hkv 8 x 128: KV rows of 1024 elements, 96 KB in flight, prefetched into L2 (bf16) on any L1D; the others into L1
+@pytest.mark.parametrize("gqa,head_size,block_size,hkv", [(1, 64, 16, 2), (4, 128, 32, 2), (2, 96, 8, 2),
+                                                          (1, 128, 16, 8)])
+def test_decodes_in_parts_match_and_do_not_depend_on_the_batch(dtype, gqa, head_size, block_size, hkv):
     """Decode rows of more than 512 keys run in parts on both threads and merge: the result matches the fp32
     reference, and each row's is bitwise the same alone and in a batch (the parts follow its length only)."""
     ctx = [512, 513, 3000, 40, 1023, 1300]  # one part, just over, many, short, odd ends
     case = paged_case([1] * len(ctx), [c - 1 for c in ctx], gqa, block_size, head_size, dtype,
-                      seed=gqa + head_size + block_size)
+                      seed=gqa + head_size + block_size, hkv=hkv)
     q, k, v, table, qsl, seq_lens, scale = case
     got = cpu_attention.paged_attention(*case)
     tol = FP32_TOL if dtype == torch.float32 else dict(atol=1e-2, rtol=2e-2)
