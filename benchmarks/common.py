@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -146,9 +147,8 @@ def matmul_peak_flops(dtype=torch.float32, n: int = 1024, device: str = "cpu", r
     return best
 
 
-def cpu_description() -> str:
-    """The CPU as /proc/cpuinfo and sysfs name it, e.g. "AMD EPYC (family 25 model 17), L1d 32K": this project's
-    machines of one kind have been Zen 4 and Zen 5 EPYCs and Xeons, whose rates differ 2x."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -157,6 +157,16 @@ def cpu_description() -> str:
                 fields.setdefault(key.strip(), value.strip())
                 if not line.strip():
                     break
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_description() -> str:
+    """The CPU as /proc/cpuinfo and sysfs name it, e.g. "AMD EPYC (family 25 model 17), L1d 32K": this project's
+    machines of one kind have been Zen 4 and Zen 5 EPYCs and Xeons, whose rates differ 2x."""
+    fields = _cpuinfo()
+    try:
         with open("/sys/devices/system/cpu/cpu0/cache/index0/size") as f:
             l1d = f.read().strip()
     except OSError:
@@ -165,11 +175,48 @@ def cpu_description() -> str:
     return f"{fields.get('model name', '?')} (family {family} model {model}), L1d {l1d}"
 
 
+_INTEL_CORES = {85: "skx", 106: "icx", 143: "spr", 173: "gnr", 175: "srf", 207: "emr"}  # family 6 server models
+
+
+def cpu_slug(model_name: str | None = None, family: int | None = None, model: int | None = None) -> str:
+    """The machine kind a results file is named after, from the CPU model: "epyc-zen4", "epyc-zen5", "xeon-spr";
+    "<brand>-f<family>m<model>" for a core not listed here. Defaults to this machine's CPU."""
+    if model_name is None:
+        fields = _cpuinfo()
+        model_name = fields.get("model name", platform.machine())
+        family = int(fields["cpu family"]) if fields.get("cpu family", "").isdigit() else None
+        model = int(fields["model"]) if fields.get("model", "").isdigit() else None
+    name = model_name.lower()
+    brand = next((b for b in ("epyc", "xeon", "ryzen", "core", "amd", "intel") if b in name),
+                 re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cpu")
+    core = None
+    if family is not None and model is not None:
+        if "amd" in name or brand in ("epyc", "ryzen"):
+            core = {23: "zen2" if model >= 0x30 else "zen1", 26: "zen5",
+                    25: "zen4" if 0x10 <= model <= 0x1F or model >= 0x60 else "zen3"}.get(family)
+        elif family == 6:
+            core = _INTEL_CORES.get(model)
+        core = core or f"f{family}m{model}"
+    return f"{brand}-{core}" if core else brand
+
+
+def machine_slug(device: str = "cpu") -> str:
+    """The CPU's slug, or on CUDA the GPU's name as a slug ("nvidia-h100-80gb-hbm3")."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    return cpu_slug()
+
+
+def results_path(name: str, ext: str, device: str = "cpu") -> str:
+    """benchmarks/results/<name>-<machine slug>.<ext>: one file per benchmark per machine kind."""
+    return os.path.join(RESULTS, f"{name}-{machine_slug(device)}.{ext}")
+
+
 def save_results(name: str, data: dict) -> str:
     os.makedirs(RESULTS, exist_ok=True)
     data = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
             "cpu": cpu_description(), "torch": torch.__version__, **data}
-    path = os.path.join(RESULTS, f"{name}.json")
+    path = results_path(name, "json", str(data.get("device", "cpu")))
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
     return path

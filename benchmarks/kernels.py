@@ -2,14 +2,14 @@
 
 Decode: achieved KV-cache read bandwidth against the device-to-device copy bandwidth measured in
 the same run (target: >= 70%). Prefill: attention TFLOP/s against the bf16 torch.matmul rate.
-Batch sizes 1-256, contexts 128-8192. Writes JSON and a PNG to benchmarks/results/gpu/.
+Batch sizes 1-256, contexts 128-8192. Writes benchmarks/results/kernels-<gpu>.{json,png}.
 
     python benchmarks/kernels.py [--quick]
 
 The end-to-end GPU comparison (bench-llama-7b-shape, output tok/s vs HF generate(), sequential and static
 batching, bf16) is the throughput benchmark run on the GPU:
 
-    python benchmarks/throughput.py --model bench-llama-7b-shape --device cuda --out gpu/throughput-<device>
+    python benchmarks/throughput.py --model bench-llama-7b-shape --device cuda
 
 Kernel times exclude the wrapper's one device-to-host sync (the batch stats are passed in, as an
 engine that knows max_seq_len on the host would); see ``triton_attention.paged_attention``.
@@ -30,7 +30,7 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CONTEXTS = [128, 256, 512, 1024, 2048, 4096, 8192]
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B-like layer
 PREFILL_MAX_TOKENS = 64 * 1024  # larger prefill batches only repeat the same tiles
-RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results" / "gpu"
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def bench_ms(fn) -> float:
@@ -205,7 +205,7 @@ def main() -> int:
     )
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
-    stem = RESULTS_DIR / f"kernels_{dt.date.today().isoformat()}_{slug}"
+    stem = RESULTS_DIR / f"kernels-{slug}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(stem.with_suffix(".png"), result)
     best = max(r["frac_of_copy"] for r in result["decode"])

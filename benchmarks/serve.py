@@ -22,7 +22,7 @@ Before the server starts, as many pairs of engine-core actor over Ray (no gatewa
 VLLM_CPU_KVCACHE_SPACE=4, OMP_NUM_THREADS=2, the same max_num_seqs) and runs the same rates over HTTP, for the
 side-by-side table. Only one server runs at a time: both would share the same two cores.
 With --prometheus, a local Prometheus scrapes the gateway during the run and the dashboard's key panels are
-rendered to deploy/grafana/dashboard.png. Results: benchmarks/results/serve.{json,png}.
+rendered to deploy/grafana/dashboard.png. Results: benchmarks/results/serve-<cpu>.{json,png}.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ import numpy as np
 import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REFERENCE_MODELS, RESULTS, Workload, make_workload, reference_model, save_results
+from common import REFERENCE_MODELS, Workload, make_workload, reference_model, results_path, save_results
 
 from pagedserve.cluster.client import AsyncClient, Client
 from pagedserve.tests.server_thread import free_port
@@ -579,7 +579,7 @@ def plot(results: dict, name: str) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(f"{results['model']}, {results['requests']} sharegpt-like requests ({results['device']})")
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, f"{name}.png"), dpi=110)
+    fig.savefig(results_path(name, "png", results["device"]), dpi=110)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ def plot(results: dict) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from common import RESULTS
+    from common import results_path
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for kind, ax in zip(("parallel", "beam"), axes):
@@ -158,7 +158,7 @@ def plot(results: dict) -> None:
         ax.set_title(f"{'parallel sampling' if kind == 'parallel' else 'beam search'} (seeds: {SEEDS[kind]})")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(f"{RESULTS}/sharing.png", dpi=110)
+    fig.savefig(results_path("sharing", "png"), dpi=110)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ acceptance rate (accepted over drafted tokens), the mean acceptance length (toke
 verifying step, the sampled one included), and how many steps the batch-size switch-off left without drafts.
 Structured output: the median decode-step time at batch 64 with every request under a JSON schema, against none
 (and with the bitmask filled before the step instead of during the forward pass), the engines again in turn.
-Results: benchmarks/results/speculative.{json,png}.
+Results: benchmarks/results/speculative-<cpu>.{json,png}.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Offline throughput: pagedserve vs vLLM's CPU build, HF sequential and HF static batching, side by side in one run.
 
     python benchmarks/throughput.py [--model bench-llama-58m] [--workloads sharegpt alpaca] [--dtype auto]
-    python benchmarks/throughput.py --model bench-llama-7b-shape --device cuda --out gpu/throughput-h200
+    python benchmarks/throughput.py --model bench-llama-7b-shape --device cuda
 
-Prints and saves (benchmarks/results/throughput.{json,png}) output tok/s, total tok/s, requests/s, the
+Prints and saves (benchmarks/results/throughput-<machine>.{json,png}) output tok/s, total tok/s, requests/s, the
 ratio to each baseline, KV blocks total/peak, KV waste, preemptions, model FLOP utilization with its ceiling
 (``roofline.py``), and the per-step time breakdown at 128 running sequences. vLLM runs on CPU where
 ``bash benchmarks/setup_vllm_cpu.sh`` made its venv (``vs_vllm.py`` has the alternating, both-dtype comparison).
@@ -28,6 +28,7 @@ from common import (
     matmul_peak_flops,
     num_params,
     reference_model,
+    results_path,
     save_results,
 )
 from roofline import read_bandwidth, roofline
@@ -220,13 +221,7 @@ def plot(results: dict, name: str = "throughput") -> None:
     ax2.set_xlabel("ms per step")
     ax2.set_title(f"step time at {bd['running']} running sequences")
     fig.tight_layout()
-    fig.savefig(results_path(f"{name}.png"), dpi=110)
-
-
-def results_path(name: str) -> str:
-    from common import RESULTS
-
-    return f"{RESULTS}/{name}"
+    fig.savefig(results_path(name, "png", results["device"]), dpi=110)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ how slow that is. Also measured in the same run: the best fp32 and bf16 matmul r
 every run (a row's ceiling takes the median of its probes), each engine's model FLOP utilization (MFU: all the
 workload's model FLOPs, prompts included, over time x the matmul rate) and the ceiling a run at those rates could
 reach (``roofline.py``). At fp32 both engines must produce the same greedy tokens. Results:
-benchmarks/results/vs_vllm.{json,png} (``--out`` names another). ``--vllm-env KEY=VALUE ...`` sets variables for
+benchmarks/results/vs_vllm-<cpu>.{json,png} (``--out`` names another). ``--vllm-env KEY=VALUE ...`` sets variables for
 vLLM's process only: ``THP_MEM_ALLOC_ENABLE=1`` gives it torch's huge pages under every large allocation, which
 pagedserve uses for its KV cache (worker/hugepages.py).
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import pytest
 
@@ -58,3 +59,16 @@ def test_results_name_the_cpu(load_benchmark):
     with open("/proc/cpuinfo") as f:
         family = next((line.split(":")[1].strip() for line in f if line.startswith("cpu family")), "?")
     assert f"(family {family} model " in desc and ", L1d " in desc and desc.endswith("K"), desc
+
+
+def test_results_files_are_named_by_cpu_model(load_benchmark):
+    """One results file per benchmark per machine kind: benchmarks/results/<benchmark>-<cpu slug>.json."""
+    common = load_benchmark("common")
+    assert common.cpu_slug("AMD EPYC 9R14 96-Core Processor", 25, 17) == "epyc-zen4"
+    assert common.cpu_slug("AMD EPYC 9R45 192-Core Processor", 26, 2) == "epyc-zen5"
+    assert common.cpu_slug("Intel(R) Xeon(R) Platinum 8488C", 6, 143) == "xeon-spr"
+    slug = common.cpu_slug()
+    assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", slug), slug
+    assert os.path.basename(common.results_path("throughput", "json")) == f"throughput-{slug}.json"
+    names = os.listdir(common.RESULTS)
+    assert names and all(re.fullmatch(r"[a-z_]+-[a-z0-9-]+\.(json|png)", n) for n in names), names
