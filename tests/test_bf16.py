@@ -50,7 +50,7 @@ def test_bf16_greedy_close_to_hf_bf16(arch, model_factory):
     assert all(p.dtype == torch.bfloat16 for p in runner.model.parameters() if p.is_floating_point())
     assert runner.backend is cpu_ops and runner.attn_layers[0].k_cache.dtype == torch.bfloat16
     if cpu_gemm_bf16.available() and arch.startswith("llama"):  # the fast path: bf16 panels, one-call layers
-        assert len(runner.model.model.cpu_layers()) == len(runner.model.model.layers)
+        assert len(runner.model.model.cpu_layers.weights) == len(runner.model.model.layers)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
