@@ -38,7 +38,8 @@ from common import (
 from roofline import read_bandwidth, roofline
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import FAST_CPU_FLAGS, cpu_flags
+from pagedserve.worker.cpu.cpuinfo import cpu_flags
+from pagedserve.worker.cpu.dtype import FAST_CPU_FLAGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VLLM_PYTHON = os.path.join(HERE, ".venv-vllm", "bin", "python")
