@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import cpu_gemm_bf16
-from pagedserve.worker.cpu.linear import linear
+from pagedserve.worker.cpu.packed_linear import linear
 from pagedserve.worker.cpu.packing import pack_linears
 from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear

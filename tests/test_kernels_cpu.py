@@ -10,7 +10,7 @@ from torch import nn
 
 from pagedserve.kernels import cpu_attention, cpu_extension, cpu_fused, cpu_gemm, get_backend, torch_ref
 from pagedserve.worker.cpu.hugepages import HUGE_PAGE, zeros_huge_pages
-from pagedserve.worker.cpu.linear import linear
+from pagedserve.worker.cpu.packed_linear import linear
 from pagedserve.worker.cpu.packing import pack_linears, panel_gemm_preferred
 from pagedserve.worker.layers.layernorm import RMSNorm
 from pagedserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear

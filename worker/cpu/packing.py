@@ -1,5 +1,5 @@
-"""Every linear weight of a CPU model reordered once, after loading, into the layout its GEMM reads (``linear.py``
-runs them).
+"""Every linear weight of a CPU model reordered once, after loading, into the layout its GEMM reads
+(``packed_linear.py`` runs them).
 
 ``F.linear`` (MKL sgemm) repacks the weight on every call; at decode batch sizes that repacking is a large share of
 the call. fp32 weights go into 16-column panels for ``kernels/cpu_gemm.py`` on AVX2 CPUs without AVX-512 (where it
