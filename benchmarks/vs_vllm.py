@@ -12,7 +12,7 @@ workload's model FLOPs, prompts included, over time x the matmul rate) and the c
 reach (``roofline.py``). At fp32 both engines must produce the same greedy tokens. Results:
 benchmarks/results/vs_vllm.{json,png} (``--out`` names another). ``--vllm-env KEY=VALUE ...`` sets variables for
 vLLM's process only: ``THP_MEM_ALLOC_ENABLE=1`` gives it torch's huge pages under every large allocation, which
-pagedserve uses for its KV cache (worker/hugepages.py).
+pagedserve uses for its KV cache (worker/cpu/hugepages.py).
 """
 from __future__ import annotations
 
