@@ -35,7 +35,7 @@ from roofline import read_bandwidth, roofline
 from vs_vllm import VLLM_PYTHON, run_vllm
 
 from pagedserve import LLM, EngineArgs, LLMEngine, SamplingParams
-from pagedserve.config import cpu_auto_dtype
+from pagedserve.worker.cpu import auto_dtype as cpu_auto_dtype
 
 
 def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int, device: str = "cpu", block_size: int = 16,

@@ -12,7 +12,7 @@ workload's model FLOPs, prompts included, over time x the matmul rate) and the c
 reach (``roofline.py``). At fp32 both engines must produce the same greedy tokens. Results:
 benchmarks/results/vs_vllm-<cpu>.{json,png} (``--out`` names another). ``--vllm-env KEY=VALUE ...`` sets variables for
 vLLM's process only: ``THP_MEM_ALLOC_ENABLE=1`` gives it torch's huge pages under every large allocation, which
-pagedserve uses for its KV cache (worker/hugepages.py).
+pagedserve uses for its KV cache (worker/cpu/hugepages.py).
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ from common import (
 from roofline import read_bandwidth, roofline
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import FAST_CPU_FLAGS, cpu_flags
+from pagedserve.worker.cpu.cpuinfo import cpu_flags
+from pagedserve.worker.cpu.dtype import FAST_CPU_FLAGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VLLM_PYTHON = os.path.join(HERE, ".venv-vllm", "bin", "python")

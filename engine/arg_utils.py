@@ -12,14 +12,13 @@ import torch
 from pagedserve.config import (
     CacheConfig,
     EngineConfig,
-    ModelConfig,
     ParallelConfig,
     RequestLimits,
     SchedulerConfig,
     SpeculativeConfig,
-    check_tensor_parallel,
     default_model_dir,
 )
+from pagedserve.engine.model_config import check_tensor_parallel, load_model_config
 from pagedserve.kernels import BACKENDS, default_backend
 from pagedserve.worker.models.registry import check_architecture
 
@@ -116,8 +115,8 @@ class EngineArgs:
             executor = "ray" if self.tensor_parallel_size > 1 else "uni"
         elif executor == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend 'uni' runs tensor_parallel_size=1 only")
-        model_config = ModelConfig.from_dir(self.model or default_model_dir(), self.dtype, self.max_model_len,
-                                            torch.device(device), self.tokenizer)
+        model_config = load_model_config(self.model or default_model_dir(), self.dtype, self.max_model_len,
+                                         torch.device(device), self.tokenizer)
         check_architecture(model_config.hf_config)
         check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
         max_len = model_config.max_model_len

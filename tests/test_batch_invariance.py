@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.tests.utils import random_prompts
-from pagedserve.worker.layers import cpu_linear
+from pagedserve.worker.cpu import packing as cpu_linear
 
 
 def test_outputs_alone_and_in_a_batch_are_bitwise_equal(model_factory, monkeypatch):

@@ -12,9 +12,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import FAST_CPU_FLAGS, choose_cpu_dtype, cpu_auto_dtype, cpu_flags
 from pagedserve.kernels import cpu_gemm_bf16, cpu_ops
 from pagedserve.tests.utils import EOS, random_prompts
+from pagedserve.worker.cpu.cpuinfo import cpu_flags
+from pagedserve.worker.cpu.dtype import FAST_CPU_FLAGS, choose_cpu_dtype
+from pagedserve.worker.cpu.dtype import auto_dtype as cpu_auto_dtype
 
 MAX_TOKENS = 16
 TOP = 5
@@ -50,7 +52,7 @@ def test_bf16_greedy_close_to_hf_bf16(arch, model_factory):
     assert all(p.dtype == torch.bfloat16 for p in runner.model.parameters() if p.is_floating_point())
     assert runner.backend is cpu_ops and runner.attn_layers[0].k_cache.dtype == torch.bfloat16
     if cpu_gemm_bf16.available() and arch.startswith("llama"):  # the fast path: bf16 panels, one-call layers
-        assert len(runner.model.model.cpu_layers()) == len(runner.model.model.layers)
+        assert len(runner.model.model.cpu_layers.weights) == len(runner.model.model.layers)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
@@ -82,7 +84,7 @@ def test_auto_dtype_on_cpu_follows_the_cpu(model_factory, tmp_path, caplog):
             b.write(a.read())
     _save_dtype(model_dir, "bfloat16")
     cpu_auto_dtype.cache_clear()
-    with caplog.at_level(logging.INFO, logger="pagedserve.config"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.worker.cpu.dtype"):
         auto = LLM(model_dir, max_num_seqs=2)
     want, _ = choose_cpu_dtype(torch.bfloat16, cpu_flags())
     if not any(f in cpu_flags() for f in FAST_CPU_FLAGS[torch.bfloat16]):

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_extension, cpu_gemm_bf16, get_backend
+from pagedserve.worker.cpu.decoder_layer import attach_decoder_layers
+from pagedserve.worker.cpu.packing import pack_linears
 from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
-from pagedserve.worker.layers.cpu_linear import pack_linears
 from pagedserve.worker.models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="no C++ compiler")
@@ -30,6 +31,7 @@ def _model(bias: bool, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     for p in model.parameters():  # parameters only: rotary tables stay fp32, as the loader leaves them
         p.data = (torch.randn(p.shape) * 0.3).to(dtype)
     pack_linears(model, panels=True, bf16_panels=True)
+    attach_decoder_layers(model)
     return model
 
 
@@ -68,12 +70,13 @@ DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 @pytest.mark.parametrize("bias", [False, True])
 def test_one_call_layers_equal_the_module_path_bitwise(bias, dtype):
     model = _model(bias, dtype)
-    assert len(model.model.cpu_layers()) == 3
+    one_call = model.model.cpu_layers
+    assert len(one_call.weights) == 3
     prefill = [[5, 6, 7, 8, 9], list(range(10, 30)), [1, 2, 3]]
     step2 = [[41], [42], [43, 44, 45, 46]]  # two decodes beside a prefill chunk
     runs = []
     for fused in (True, False):
-        model.model._cpu_layers = None if fused else []
+        model.model.cpu_layers = one_call if fused else None
         caches = _bind_caches(model, 12)
         hidden = [_step(model, prefill, [0, 0, 0]), _step(model, step2, [5, 20, 3])]
         runs.append((hidden, [c.clone() for kv in caches for c in kv]))
@@ -86,4 +89,4 @@ def test_one_call_layers_equal_the_module_path_bitwise(bias, dtype):
 def test_one_call_layers_need_panels():
     model = LlamaForCausalLM(_config(num_hidden_layers=1))
     pack_linears(model, panels=False, bf16_panels=False)  # oneDNN's layout: the module path
-    assert model.model.cpu_layers() == []
+    assert not attach_decoder_layers(model) and model.model.cpu_layers is None

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import cpu_gemm_bf16
-from pagedserve.worker.layers.cpu_linear import linear, pack_linears
+from pagedserve.worker.cpu.packed_linear import linear
+from pagedserve.worker.cpu.packing import pack_linears
 from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 

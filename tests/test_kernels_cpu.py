@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import cpu_attention, cpu_extension, cpu_fused, cpu_gemm, get_backend, torch_ref
-from pagedserve.worker.hugepages import HUGE_PAGE, zeros_huge_pages
-from pagedserve.worker.layers.cpu_linear import linear, pack_linears, panel_gemm_preferred
+from pagedserve.worker.cpu.hugepages import HUGE_PAGE, zeros_huge_pages
+from pagedserve.worker.cpu.packed_linear import linear
+from pagedserve.worker.cpu.packing import pack_linears, panel_gemm_preferred
 from pagedserve.worker.layers.layernorm import RMSNorm
 from pagedserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.worker.layers.rotary import RotaryEmbedding

@@ -7,7 +7,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import ModelConfig
+from pagedserve.engine.model_config import load_model_config
 from pagedserve.tests.utils import assert_all_blocks_free, hf_greedy, random_prompts
 from pagedserve.worker import parallel_state
 from pagedserve.worker.models.loader import load_model
@@ -47,7 +47,7 @@ def test_unsplittable_config_fails_before_any_actor(ray_cluster, model_factory):
 def test_rank_loads_only_its_shard(model_factory, monkeypatch):
     """Rank 1 of 2 holds exactly its rows/columns of each matrix (read through safetensors slices)."""
     model_dir = model_factory("llama-gqa8")
-    cfg = ModelConfig.from_dir(model_dir, "float32", None, torch.device("cpu"))
+    cfg = load_model_config(model_dir, "float32", None, torch.device("cpu"))
     monkeypatch.setattr(parallel_state, "_TP_RANK", 1)
     monkeypatch.setattr(parallel_state, "_TP_SIZE", 2)
     model = load_model(cfg, torch.device("cpu"))

@@ -12,10 +12,9 @@ from pagedserve.config import EngineConfig
 from pagedserve.kernels import get_backend
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.cpu import prepare_model, zeros_huge_pages
 from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
-from pagedserve.worker.hugepages import zeros_huge_pages
 from pagedserve.worker.layers.attention import Attention
-from pagedserve.worker.layers.cpu_linear import pack_linears
 from pagedserve.worker.models.loader import load_model
 from pagedserve.worker.sampler import SamplingMetadata, sample
 
@@ -71,9 +70,9 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache_config.block_size
         self.model = load_model(config.model_config, device)
-        if device.type == "cpu":
-            pack_linears(self.model)
         self.backend = get_backend(config.attention_backend)
+        if device.type == "cpu":
+            prepare_model(self.model, self.backend)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.states: dict[int, SeqState] = {}
         self.k_caches: list[torch.Tensor] = []

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.worker.layers.cpu_linear import linear
+from pagedserve.worker.cpu import linear
 from pagedserve.worker.models.weights import as_lazy
 from pagedserve.worker.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 

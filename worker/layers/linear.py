@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.worker.layers.cpu_linear import linear
+from pagedserve.worker.cpu import linear
 from pagedserve.worker.models.weights import as_lazy
 from pagedserve.worker.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 
@@ -32,7 +32,7 @@ def _copy(dst: torch.Tensor, w) -> None:
 
 
 class ReplicatedLinear(nn.Module):
-    packable = True  # cpu_linear.pack_linears may swap the weight for a packed copy (panels or oneDNN)
+    packable = True  # worker.cpu.prepare_model may swap the weight for a packed copy (panels or oneDNN)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True) -> None:
         super().__init__()

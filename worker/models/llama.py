@@ -4,8 +4,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_extension, cpu_layer
-from pagedserve.worker.forward_context import get_attn_metadata
 from pagedserve.worker.layers.activation import SiluAndMul
 from pagedserve.worker.layers.attention import Attention
 from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -66,28 +64,6 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-def _cpu_layer_weights(layer: LlamaDecoderLayer) -> cpu_layer.LayerWeights | None:
-    """The layer's weights for the one-call C++ layer, or None where it does not apply: weights not packed in
-    panels (fp32 on an AVX2 CPU, bf16 on an AVX512-BF16 one), more than one tensor-parallel rank, or sizes the
-    kernels do not take."""
-    att, mlp = layer.self_attn, layer.mlp
-    linears = [att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    panels = [getattr(m, "panel_weight", None) for m in linears]
-    rope, qkv = att.rotary_emb, att.qkv_proj
-    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    if (any(p is None for p in panels) or att.o_proj.tp_size != 1 or qkv.head_size % 8
-            or len({p.panels.dtype for p in panels}) != 1
-            or any(w.dtype != panels[0].panels.dtype or w.shape[0] % 8 for w in norms)
-            or mlp.gate_up_proj.output_size_per_partition % 16 or rope.cos.dtype != torch.float32
-            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps or cpu_extension.load() is None):
-        return None
-    biases = [m.bias.detach() if m.bias is not None else torch.empty(0) for m in linears]
-    return cpu_layer.LayerWeights(
-        *norms, layer.input_layernorm.eps, [p.panels for p in panels], biases,
-        [qkv.num_heads, qkv.num_kv_heads, qkv.head_size, rope.rotary_dim, *(p.out_features for p in panels)],
-        rope.cos, rope.sin, att.attn.scale)
-
-
 class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
         super().__init__()
@@ -95,25 +71,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_bias)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._cpu_layers: list[cpu_layer.LayerWeights] | None = None
-
-    def cpu_layers(self) -> list[cpu_layer.LayerWeights]:
-        """Every layer's weights for the one-call C++ layers, or [] where a layer cannot take them; gathered on
-        first use (after the model runner packed the weights)."""
-        if self._cpu_layers is None:
-            found = [_cpu_layer_weights(layer) for layer in self.layers]
-            self._cpu_layers = found if all(found) else []
-        return self._cpu_layers
+        self.cpu_layers = None  # all layers in one C++ call each, where worker.cpu.prepare_model sets them up
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        fused = self.cpu_layers() if x.device.type == "cpu" else []
-        md = get_attn_metadata() if fused else None
-        if fused and cpu_layer.supported(md, self.layers[0].self_attn.attn.k_cache, x):
-            positions = positions.long().contiguous()
-            for layer, weights in zip(self.layers, fused):
-                attn = layer.self_attn.attn
-                x, residual = cpu_layer.llama_layer(weights, x, residual, positions, attn.k_cache, attn.v_cache, md)
+        if self.cpu_layers is not None and self.cpu_layers.supports(x):
+            x, residual = self.cpu_layers(positions, x)
         else:
             for layer in self.layers:
                 x, residual = layer(positions, x, residual)

@@ -1,5 +1,5 @@
 """CPU tensors backed by 2 MiB transparent huge pages where the kernel offers them: the KV cache, and the packed
-weights of the fp32 and bf16 panel GEMMs (``worker/layers/cpu_linear.py``).
+weights of the fp32 and bf16 panel GEMMs (``packing.py``).
 
 Decode attention reads each sequence's KV blocks (32 KiB each at fp32, 16 tokens x 8 heads x 64) from places
 scattered over a cache of GiBs: with 4 KiB pages nearly every block costs TLB misses. Measured on this

@@ -1,4 +1,5 @@
-"""Linear layers on CPU with each weight reordered once, after loading, into the layout its GEMM reads.
+"""Every linear weight of a CPU model reordered once, after loading, into the layout its GEMM reads
+(``packed_linear.py`` runs them).
 
 ``F.linear`` (MKL sgemm) repacks the weight on every call; at decode batch sizes that repacking is a large share of
 the call. fp32 weights go into 16-column panels for ``kernels/cpu_gemm.py`` on AVX2 CPUs without AVX-512 (where it
@@ -13,12 +14,11 @@ import logging
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.config import cpu_flags
-from pagedserve.kernels import cpu_extension, cpu_gemm, cpu_gemm_bf16
-from pagedserve.worker.hugepages import empty_huge_pages
+from pagedserve.kernels import cpu_gemm, cpu_gemm_bf16
+from pagedserve.worker.cpu.cpuinfo import cpu_flags
+from pagedserve.worker.cpu.hugepages import empty_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -36,25 +36,10 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def panel_gemm_preferred(flags: set[str] | None = None) -> bool:
-    """Whether fp32 linears use the panel GEMM: an AVX2+FMA CPU without AVX-512 (oneDNN's 512-bit kernels were
-    not measured against it) where the C++ extension builds."""
+    """Whether fp32 linears use the panel GEMM (where the C++ kernels run): an AVX2+FMA CPU without AVX-512
+    (oneDNN's 512-bit kernels were not measured against it)."""
     flags = cpu_flags() if flags is None else flags
-    return {"avx2", "fma"} <= flags and "avx512f" not in flags and cpu_extension.load() is not None
-
-
-def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x @ layer.weight.T + bias`` through the layer's packed weight where it has one. ``out_dtype`` float32
-    asks for fp32 outputs from bf16 inputs (logits), which the bf16 panel GEMM gives without a rounding step."""
-    panels = getattr(layer, "panel_weight", None)
-    if isinstance(panels, cpu_gemm_bf16.BF16PanelWeight):
-        return cpu_gemm_bf16.gemm(x, panels, bias, out_dtype or torch.bfloat16)
-    if isinstance(panels, cpu_gemm.PanelWeight):
-        return cpu_gemm.gemm(x, panels, bias)
-    packed = getattr(layer, "packed_weight", None)
-    if packed is None:
-        return F.linear(x, layer.weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
 def _panel_kernel(w: torch.Tensor):
@@ -97,8 +82,9 @@ def pack_linears(model: nn.Module, batch_hint: int = 128, panels: bool | None = 
     packed copy is made once and given to every packable module that shares it, as vLLM's CPU backend does: one
     more copy of the vocabulary matrix, for an LM head that F.linear ran at a third of the speed (its MKL call
     repacks the weight each time; measured on the demo model, 1.2 ms against 0.6 ms a 5-row step, and 5-10% of
-    the per-token latency at concurrency 1 and 16). ``panels``: use the panel GEMM for fp32 (default: where
-    :func:`panel_gemm_preferred`); ``bf16_panels``: the AVX512-BF16 one for bf16 (default: where it is built)."""
+    the per-token latency at concurrency 1 and 16). ``panels``: use the C++ panel GEMM for fp32 (default: where
+    :func:`panel_gemm_preferred`); ``bf16_panels``: the AVX512-BF16 one for bf16 (default: where it is built).
+    Both need the C++ extension; with neither, every weight goes to oneDNN's layout."""
     if panels is None:
         panels = panel_gemm_preferred()
     if bf16_panels is None:
