@@ -15,6 +15,7 @@ from pagedserve.outputs import (
     EngineCoreOutput,
     Logprob,
     RequestOutput,
+    TokenLogprobs,
 )
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -126,9 +127,9 @@ class OutputProcessor:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _logprob_dict(self, token: int, lp: float, rank: int, top_ids: list[int], top_lps: list[float]):
-        d = {t: Logprob(v, r + 1, self._decoded(t)) for r, (t, v) in enumerate(zip(top_ids, top_lps))}
-        d[token] = Logprob(lp, rank, self._decoded(token))
+    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        d = {t: Logprob(v, r + 1, self._decoded(t)) for r, (t, v) in enumerate(zip(entry.top_ids, entry.top_logprobs))}
+        d[entry.token_id] = Logprob(entry.logprob, entry.rank, self._decoded(entry.token_id))
         return d
 
     def _apply(self, st: _RequestState, out: EngineCoreOutput) -> None:
@@ -137,7 +138,7 @@ class OutputProcessor:
             st.beams = out.beams
             return
         if out.prompt_logprobs and st.prompt_logprobs is not None:
-            st.prompt_logprobs += [self._logprob_dict(*entry) for entry in out.prompt_logprobs]
+            st.prompt_logprobs += [self._logprob_dict(entry) for entry in out.prompt_logprobs]
             st.num_prompt_logprobs += len(out.prompt_logprobs)
         if out.new_token_ids and st.first_token_time is None:
             st.first_token_time = time.monotonic()
@@ -148,8 +149,7 @@ class OutputProcessor:
             c.token_ids.extend(toks)
             c.cumulative_logprob = out.cumulative_logprobs.get(idx, c.cumulative_logprob)
             if c.logprobs is not None:
-                for tok, (lp, top_ids, top_lps, rank) in zip(toks, out.new_logprobs.get(idx, [])):
-                    c.logprobs.append(self._logprob_dict(tok, lp, rank, top_ids, top_lps))
+                c.logprobs += [self._logprob_dict(entry) for entry in out.new_logprobs.get(idx, [])]
             if c.detok is not None and c.detok.add_tokens(toks):
                 c.finish_reason, c.stop_reason = "stop", c.detok.stop_reason
                 self.stop_fn(st.request_id, idx)

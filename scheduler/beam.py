@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedserve.outputs import TokenLogprobs
 from pagedserve.scheduler.request import Request, RequestStatus, Sequence
 
 _NEG = np.float32(-1.0e9)
@@ -33,7 +34,7 @@ class BeamState:
     num_candidates: int
     finished: list[BeamHypothesis] = field(default_factory=list)  # best first, at most W
     improvable: bool = True  # HF's early-stop heuristic not yet satisfied
-    pending: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    pending: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq_id -> its top-k this step
     done: bool = False
 
 
@@ -49,8 +50,7 @@ class BeamSearcher:
         return BeamState(eos, len(req.prompt_token_ids) + bp.max_tokens, max(2, 1 + len(eos)) * bp.beam_width)
 
     def record(self, req: Request, seq: Sequence, result, row: int) -> None:
-        ids, lps, _ = result.top_logprobs[row]
-        req.beam_state.pending[seq.seq_id] = (ids, lps)
+        req.beam_state.pending[seq.seq_id] = result.logprobs[row]
         self._touched[req.request_id] = req
 
     def step_done(self) -> list[Request]:
@@ -67,9 +67,9 @@ class BeamSearcher:
         beams = sorted(req.live_seqs, key=lambda s: -s.cumulative_logprob)
         cands: list[tuple[np.float32, int, Sequence]] = []
         for seq in beams:
-            ids, lps = st.pending[seq.seq_id]
+            top = st.pending[seq.seq_id]
             base = np.float32(seq.cumulative_logprob)
-            cands += [(np.float32(lp) + base, t, seq) for t, lp in zip(ids, lps)]
+            cands += [(np.float32(lp) + base, t, seq) for t, lp in zip(top.top_ids, top.top_logprobs)]
         st.pending.clear()
         cands.sort(key=lambda c: -c[0])  # stable: ties keep beam order, then the worker's top-k order
         cands = cands[: st.num_candidates]

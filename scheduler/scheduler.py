@@ -522,8 +522,7 @@ class Scheduler:
             lp = result.sampled_logprobs[k]
             seq.cumulative_logprob += lp
             if req.sampling_params.logprobs is not None:
-                top = result.top_logprobs.get(k, ([], [], 0))
-                out.new_logprobs.setdefault(seq.index, []).append((lp, top[0], top[1], top[2]))
+                out.new_logprobs.setdefault(seq.index, []).append(result.logprobs[k])
         status = self.check_stop(req, seq, token, self.config.max_model_len)
         if self.structured is not None and self.structured.constrained(seq.seq_id) \
                 and self.structured.accept(seq.seq_id, token) and status is None:
