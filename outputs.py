@@ -86,8 +86,8 @@ class EngineCoreOutput:
     finish_reasons: dict[int, tuple[str, int | str | None]] = field(default_factory=dict)  # -> (reason, stop_reason)
     finished: bool = False
     num_cached_tokens: int = 0
-    # Beam search, once finished: (prompt + generated ids, cumulative logprob, score, finish reason), best first.
-    beams: list[tuple[list[int], float, float, str | None]] | None = None
+    beams: list[BeamSearchSequence] | None = None  # beam search, once finished: best first, text unset
+
     error: str | None = None
 
 

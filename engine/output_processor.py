@@ -2,6 +2,7 @@
 logprob dicts and best_of selection. The offline engine and the gRPC gateway both use it."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    beams: list | None = None
+    beams: list[BeamSearchSequence] | None = None
     delta: bool = False  # outputs carry only what is new since the previous one
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs came in
 
@@ -160,12 +161,11 @@ class OutputProcessor:
                 c.cumulative_logprob = out.cumulative_logprobs.get(idx, c.cumulative_logprob)
 
     def _beam_output(self, st: _RequestState) -> BeamSearchOutput:
-        seqs = []
-        for token_ids, cum, score, reason in st.beams or []:
-            text = None
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(token_ids[len(st.prompt_token_ids):], skip_special_tokens=True)
-            seqs.append(BeamSearchSequence(token_ids, text, cum, score, reason))
+        seqs = st.beams or []
+        if self.tokenizer is not None:
+            n = len(st.prompt_token_ids)
+            seqs = [dataclasses.replace(b, text=self.tokenizer.decode(b.tokens[n:], skip_special_tokens=True))
+                    for b in seqs]
         return BeamSearchOutput(seqs, st.request_id)
 
     def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput | BeamSearchOutput:

@@ -9,33 +9,12 @@ Scores are accumulated in float32, as HF does, so rankings agree.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from pagedserve.outputs import TokenLogprobs
-from pagedserve.scheduler.request import Request, RequestStatus, Sequence
+from pagedserve.outputs import BeamSearchSequence
+from pagedserve.scheduler.request import BeamState, Request, RequestStatus, Sequence
 
 _NEG = np.float32(-1.0e9)
-
-
-@dataclass
-class BeamHypothesis:
-    token_ids: list[int]  # prompt + generated
-    score: float  # cum_logprob / generated_len ** length_penalty
-    cum_logprob: float
-    finish_reason: str  # "stop" (EOS) or "length"
-
-
-@dataclass
-class BeamState:
-    eos_ids: set[int]
-    max_length: int  # prompt + max_tokens
-    num_candidates: int
-    finished: list[BeamHypothesis] = field(default_factory=list)  # best first, at most W
-    improvable: bool = True  # HF's early-stop heuristic not yet satisfied
-    pending: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq_id -> its top-k this step
-    done: bool = False
 
 
 class BeamSearcher:
@@ -84,7 +63,8 @@ class BeamSearcher:
                 if hit:
                     norm = float(score / np.float32(gen_len ** bp.length_penalty))
                     reason = "stop" if tok in st.eos_ids else "length"
-                    st.finished.append(BeamHypothesis(parent.token_ids + [tok], norm, float(score), reason))
+                    st.finished.append(BeamSearchSequence(parent.token_ids + [tok], text=None, cum_logprob=float(score),
+                                                          score=norm, finish_reason=reason))
             st.finished.sort(key=lambda h: -h.score)
             del st.finished[width:]
 

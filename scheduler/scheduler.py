@@ -509,7 +509,7 @@ class Scheduler:
             if s.finished:
                 out.finish_reasons[s.index] = (FINISH_REASONS[s.status], s.stop_reason)
         if req.finished and req.beam_params is not None:
-            out.beams = [(h.token_ids, h.cum_logprob, h.score, h.finish_reason) for h in req.beam_state.finished]
+            out.beams = list(req.beam_state.finished)
         if req.status == RequestStatus.FINISHED_ERROR:
             out.error = error or "the model workers failed while this request ran"
         return out

@@ -743,10 +743,10 @@ def test_beam_search_forks_copies_drops_and_finishes_with_ranked_beams() -> None
     assert s3.new(g.seq_id).token_ids == prompt(6) + [11, 31] and s3.new(g.seq_id).block_ids == [head, tail]
     out = s3.outputs["beam"]
     assert out.finished and req.status == RequestStatus.FINISHED_STOPPED
-    assert [(ids, reason) for ids, _, _, reason in out.beams] == [
+    assert [(b.tokens, b.finish_reason) for b in out.beams] == [
         (prompt(6) + [11, 30, 40], "length"), (prompt(6) + [11, 30, EOS], "stop")]
-    assert [cum for _, cum, _, _ in out.beams] == pytest.approx([-0.8, -0.9], abs=1e-6)
-    assert [score for _, _, score, _ in out.beams] == pytest.approx([-0.8 / 3, -0.9 / 3], abs=1e-6)
+    assert [b.cum_logprob for b in out.beams] == pytest.approx([-0.8, -0.9], abs=1e-6)
+    assert [b.score for b in out.beams] == pytest.approx([-0.8 / 3, -0.9 / 3], abs=1e-6)
     h.assert_all_free()
 
 
