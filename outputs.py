@@ -59,8 +59,16 @@ class BeamSearchOutput:
     finished: bool = True
 
 
-# (sampled logprob, top token ids, top logprobs, rank of the sampled token)
-TokenLogprobs = tuple[float, list[int], list[float], int]
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's logprobs as a worker computes them: the chosen token's (sampled, or the prompt's next) and
+    the top-k. The output processor turns each into a ``dict[int, Logprob]``."""
+
+    token_id: int
+    logprob: float
+    rank: int  # of token_id, 1 = most likely
+    top_ids: list[int]
+    top_logprobs: list[float]  # of top_ids, best first
 
 
 @dataclass
@@ -74,12 +82,12 @@ class EngineCoreOutput:
     new_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     # After this step, for each completion that got tokens or finished (ranks best_of completions).
     cumulative_logprobs: dict[int, float] = field(default_factory=dict)
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reasons: dict[int, tuple[str, int | str | None]] = field(default_factory=dict)  # -> (reason, stop_reason)
     finished: bool = False
     num_cached_tokens: int = 0
-    # Beam search, once finished: (prompt + generated ids, cumulative logprob, score, finish reason), best first.
-    beams: list[tuple[list[int], float, float, str | None]] | None = None
+    beams: list[BeamSearchSequence] | None = None  # beam search, once finished: best first, text unset
+
     error: str | None = None
 
 

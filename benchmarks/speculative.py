@@ -97,7 +97,7 @@ class _ClosedLoop:
             self.idle_steps += 1
 
     def result(self) -> dict:
-        st = self.engine.core.get_stats()
+        st = self.engine.core.get_stats().scheduler
         self.engine.core.shutdown()
         drafting_steps = max(st.spec_num_drafts, 1)
         return {"concurrency": self.concurrency, "speculative": self.spec is not None,

@@ -1,10 +1,11 @@
 """Plain data between the engine core and its users: the request it queues, what it reports about itself."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedserve.config import RequestLimits
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.scheduler.stats import SchedulerStats
 
 
 @dataclass
@@ -61,7 +62,7 @@ class EngineInfo:
 
 @dataclass
 class EngineStats:
-    """Scheduler and KV-cache state and counters since start (counters only grow)."""
+    """Scheduler and KV-cache state, and counters since start (counters only grow)."""
 
     num_running: int
     num_waiting: int
@@ -70,20 +71,8 @@ class EngineStats:
     kv_blocks_free: int  # free, or holding only evictable cached prefixes
     kv_blocks_shared: int
     kv_usage: float  # 0..1
-    num_requests: int  # added by users (the warm-up request is not one)
     copy_on_write: int
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int
-    preemptions_recompute: int
-    preemptions_swap: int
-    swapped_in_blocks: int
-    swapped_out_blocks: int
-    scheduled_tokens: int
-    steps: int
+    num_requests: int  # added by users (the warm-up request is not one)
     num_worker_restarts: int
-    # Speculative decoding (vLLM's meanings) and structured output.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
-    num_constrained_requests: int = 0
+    num_constrained_requests: int  # structured output
+    scheduler: SchedulerStats  # a copy of the scheduler's counters

@@ -2,6 +2,7 @@
 an engine-core actor on Ray hosts one per replica."""
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import random
@@ -129,19 +130,13 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         """Scheduler and KV-cache state and counters (the metrics exporter reads these)."""
         sched = self.scheduler
-        bm, st = sched.block_manager, sched.stats
+        bm = sched.block_manager
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
             kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks, kv_blocks_shared=bm.num_shared_blocks(),
-            kv_usage=bm.usage(), num_requests=self.num_requests, copy_on_write=bm.num_copy_on_write,
-            prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits,
-            preemptions_recompute=st.num_preemptions["recompute"], preemptions_swap=st.num_preemptions["swap"],
-            swapped_in_blocks=st.num_swapped_in_blocks, swapped_out_blocks=st.num_swapped_out_blocks,
-            scheduled_tokens=st.num_scheduled_tokens, steps=st.num_steps,
+            kv_usage=bm.usage(), copy_on_write=bm.num_copy_on_write, num_requests=self.num_requests,
             num_worker_restarts=self.num_worker_restarts,
-            spec_num_drafts=st.spec_num_drafts, spec_num_draft_tokens=st.spec_num_draft_tokens,
-            spec_num_accepted_tokens=st.spec_num_accepted_tokens, spec_accepted_per_pos=list(st.spec_accepted_per_pos),
-            num_constrained_requests=sched.structured.num_constrained_requests)
+            num_constrained_requests=sched.structured.num_constrained_requests, scheduler=copy.deepcopy(sched.stats))
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.block_manager.reset_prefix_cache()

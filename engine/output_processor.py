@@ -2,6 +2,7 @@
 logprob dicts and best_of selection. The offline engine and the gRPC gateway both use it."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from pagedserve.outputs import (
     EngineCoreOutput,
     Logprob,
     RequestOutput,
+    TokenLogprobs,
 )
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -43,7 +45,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    beams: list | None = None
+    beams: list[BeamSearchSequence] | None = None
     delta: bool = False  # outputs carry only what is new since the previous one
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs came in
 
@@ -126,9 +128,9 @@ class OutputProcessor:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _logprob_dict(self, token: int, lp: float, rank: int, top_ids: list[int], top_lps: list[float]):
-        d = {t: Logprob(v, r + 1, self._decoded(t)) for r, (t, v) in enumerate(zip(top_ids, top_lps))}
-        d[token] = Logprob(lp, rank, self._decoded(token))
+    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        d = {t: Logprob(v, r + 1, self._decoded(t)) for r, (t, v) in enumerate(zip(entry.top_ids, entry.top_logprobs))}
+        d[entry.token_id] = Logprob(entry.logprob, entry.rank, self._decoded(entry.token_id))
         return d
 
     def _apply(self, st: _RequestState, out: EngineCoreOutput) -> None:
@@ -137,7 +139,7 @@ class OutputProcessor:
             st.beams = out.beams
             return
         if out.prompt_logprobs and st.prompt_logprobs is not None:
-            st.prompt_logprobs += [self._logprob_dict(*entry) for entry in out.prompt_logprobs]
+            st.prompt_logprobs += [self._logprob_dict(entry) for entry in out.prompt_logprobs]
             st.num_prompt_logprobs += len(out.prompt_logprobs)
         if out.new_token_ids and st.first_token_time is None:
             st.first_token_time = time.monotonic()
@@ -148,8 +150,7 @@ class OutputProcessor:
             c.token_ids.extend(toks)
             c.cumulative_logprob = out.cumulative_logprobs.get(idx, c.cumulative_logprob)
             if c.logprobs is not None:
-                for tok, (lp, top_ids, top_lps, rank) in zip(toks, out.new_logprobs.get(idx, [])):
-                    c.logprobs.append(self._logprob_dict(tok, lp, rank, top_ids, top_lps))
+                c.logprobs += [self._logprob_dict(entry) for entry in out.new_logprobs.get(idx, [])]
             if c.detok is not None and c.detok.add_tokens(toks):
                 c.finish_reason, c.stop_reason = "stop", c.detok.stop_reason
                 self.stop_fn(st.request_id, idx)
@@ -160,12 +161,11 @@ class OutputProcessor:
                 c.cumulative_logprob = out.cumulative_logprobs.get(idx, c.cumulative_logprob)
 
     def _beam_output(self, st: _RequestState) -> BeamSearchOutput:
-        seqs = []
-        for token_ids, cum, score, reason in st.beams or []:
-            text = None
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(token_ids[len(st.prompt_token_ids):], skip_special_tokens=True)
-            seqs.append(BeamSearchSequence(token_ids, text, cum, score, reason))
+        seqs = st.beams or []
+        if self.tokenizer is not None:
+            n = len(st.prompt_token_ids)
+            seqs = [dataclasses.replace(b, text=self.tokenizer.decode(b.tokens[n:], skip_special_tokens=True))
+                    for b in seqs]
         return BeamSearchOutput(seqs, st.request_id)
 
     def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput | BeamSearchOutput:

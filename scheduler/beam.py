@@ -9,32 +9,12 @@ Scores are accumulated in float32, as HF does, so rankings agree.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from pagedserve.scheduler.request import Request, RequestStatus, Sequence
+from pagedserve.outputs import BeamSearchSequence
+from pagedserve.scheduler.request import BeamState, Request, RequestStatus, Sequence
 
 _NEG = np.float32(-1.0e9)
-
-
-@dataclass
-class BeamHypothesis:
-    token_ids: list[int]  # prompt + generated
-    score: float  # cum_logprob / generated_len ** length_penalty
-    cum_logprob: float
-    finish_reason: str  # "stop" (EOS) or "length"
-
-
-@dataclass
-class BeamState:
-    eos_ids: set[int]
-    max_length: int  # prompt + max_tokens
-    num_candidates: int
-    finished: list[BeamHypothesis] = field(default_factory=list)  # best first, at most W
-    improvable: bool = True  # HF's early-stop heuristic not yet satisfied
-    pending: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
-    done: bool = False
 
 
 class BeamSearcher:
@@ -49,8 +29,7 @@ class BeamSearcher:
         return BeamState(eos, len(req.prompt_token_ids) + bp.max_tokens, max(2, 1 + len(eos)) * bp.beam_width)
 
     def record(self, req: Request, seq: Sequence, result, row: int) -> None:
-        ids, lps, _ = result.top_logprobs[row]
-        req.beam_state.pending[seq.seq_id] = (ids, lps)
+        req.beam_state.pending[seq.seq_id] = result.logprobs[row]
         self._touched[req.request_id] = req
 
     def step_done(self) -> list[Request]:
@@ -67,9 +46,9 @@ class BeamSearcher:
         beams = sorted(req.live_seqs, key=lambda s: -s.cumulative_logprob)
         cands: list[tuple[np.float32, int, Sequence]] = []
         for seq in beams:
-            ids, lps = st.pending[seq.seq_id]
+            top = st.pending[seq.seq_id]
             base = np.float32(seq.cumulative_logprob)
-            cands += [(np.float32(lp) + base, t, seq) for t, lp in zip(ids, lps)]
+            cands += [(np.float32(lp) + base, t, seq) for t, lp in zip(top.top_ids, top.top_logprobs)]
         st.pending.clear()
         cands.sort(key=lambda c: -c[0])  # stable: ties keep beam order, then the worker's top-k order
         cands = cands[: st.num_candidates]
@@ -84,7 +63,8 @@ class BeamSearcher:
                 if hit:
                     norm = float(score / np.float32(gen_len ** bp.length_penalty))
                     reason = "stop" if tok in st.eos_ids else "length"
-                    st.finished.append(BeamHypothesis(parent.token_ids + [tok], norm, float(score), reason))
+                    st.finished.append(BeamSearchSequence(parent.token_ids + [tok], text=None, cum_logprob=float(score),
+                                                          score=norm, finish_reason=reason))
             st.finished.sort(key=lambda h: -h.score)
             del st.finished[width:]
 

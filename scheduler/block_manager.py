@@ -143,9 +143,6 @@ class BlockManager:
     def _blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        return self._blocks_to_grow(seq, num_new_tokens) + len(self._cow_targets(seq, num_new_tokens))
-
     def group_blocks_needed(self, seqs: list[Sequence], num_new_tokens: int) -> int:
         """Blocks that the next ``num_new_tokens`` of each of ``seqs`` (one request's, allocated together) take:
         new blocks, plus a copy of each shared block about to be written, except that the last holder of a shared

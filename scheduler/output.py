@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedserve.outputs import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -71,8 +72,7 @@ class ModelRunnerOutput:
     seq_ids: list[int]
     sampled_token_ids: list[int]
     sampled_logprobs: list[float] | None = None  # raw logprob of each sampled token
-    # Per output row that asked for logprobs: (top token ids, their logprobs, rank of the sampled token).
-    top_logprobs: dict[int, tuple[list[int], list[float], int]] = field(default_factory=dict)
-    # seq_id -> per prompt position (token id, logprob, rank, top ids, top logprobs) for this chunk.
-    prompt_logprobs: dict[int, list[tuple[int, float, int, list[int], list[float]]]] = field(default_factory=dict)
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # per output row that asked for logprobs
+    # seq_id -> one entry per prompt position of this chunk (the logprobs of the token that follows it).
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # worker-side seconds: prepare / forward / sample

@@ -5,7 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.outputs import BeamSearchSequence, TokenLogprobs
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -87,6 +88,19 @@ class Sequence:
         return self.status.finished
 
 
+@dataclass
+class BeamState:
+    """A beam search's progress (see ``scheduler/beam.py``)."""
+
+    eos_ids: set[int]
+    max_length: int  # prompt + max_tokens
+    num_candidates: int
+    finished: list[BeamSearchSequence] = field(default_factory=list)  # best first, at most W; text unset
+    improvable: bool = True  # HF's early-stop heuristic not yet satisfied
+    pending: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq_id -> its top-k this step
+    done: bool = False
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -105,8 +119,8 @@ class Request:
     cache_salt: str | None = None
     seed: int = 0  # the base seed; completion i samples with child_seed(seed, i)
     next_seq_index: int = 1
-    beam_params: object | None = None  # BeamSearchParams for beam-search requests
-    beam_state: object | None = None
+    beam_params: BeamSearchParams | None = None  # set for beam-search requests, with beam_state
+    beam_state: BeamState | None = None
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -12,7 +12,6 @@ import bisect
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.outputs import EngineCoreOutput
@@ -21,27 +20,8 @@ from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.output import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
 from pagedserve.scheduler.request import FINISH_REASONS, Request, RequestStatus, Sequence, child_seed
 from pagedserve.scheduler.spec_decode import propose_ngram
+from pagedserve.scheduler.stats import SchedulerStats
 from pagedserve.scheduler.structured_output import StructuredOutputManager
-
-
-@dataclass
-class SchedulerStats:
-    num_preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
-    num_swapped_in_blocks: int = 0
-    num_swapped_out_blocks: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up
-    prefix_cache_hits: int = 0  # of which served from cached blocks
-    num_steps: int = 0
-    num_scheduled_tokens: int = 0  # tokens run through the model (prefill + decode)
-    # KV waste: allocated-but-unfilled slots / allocated slots, summed over steps (for the mean).
-    waste_sum: float = 0.0
-    peak_blocks_used: int = 0
-    # Speculative decoding, with vLLM's meanings: sequences that got drafts, draft tokens scheduled, drafts
-    # accepted, and accepted drafts by position (index 0: the first draft of a step).
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -509,7 +489,7 @@ class Scheduler:
             if s.finished:
                 out.finish_reasons[s.index] = (FINISH_REASONS[s.status], s.stop_reason)
         if req.finished and req.beam_params is not None:
-            out.beams = [(h.token_ids, h.cum_logprob, h.score, h.finish_reason) for h in req.beam_state.finished]
+            out.beams = list(req.beam_state.finished)
         if req.status == RequestStatus.FINISHED_ERROR:
             out.error = error or "the model workers failed while this request ran"
         return out
@@ -522,8 +502,7 @@ class Scheduler:
             lp = result.sampled_logprobs[k]
             seq.cumulative_logprob += lp
             if req.sampling_params.logprobs is not None:
-                top = result.top_logprobs.get(k, ([], [], 0))
-                out.new_logprobs.setdefault(seq.index, []).append((lp, top[0], top[1], top[2]))
+                out.new_logprobs.setdefault(seq.index, []).append(result.logprobs[k])
         status = self.check_stop(req, seq, token, self.config.max_model_len)
         if self.structured is not None and self.structured.constrained(seq.seq_id) \
                 and self.structured.accept(seq.seq_id, token) and status is None:

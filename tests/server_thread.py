@@ -48,7 +48,7 @@ class ServerThread:
 
     @property
     def replicas(self):
-        return self.gateway.state.engine.replicas
+        return [r.replica for r in self.gateway.state.engine.replicas]
 
     def client(self, **kw) -> Client:
         return Client(self.target, **kw)

@@ -156,7 +156,7 @@ def exported_names(llama_dir) -> set[str]:
     try:
         gm = GatewayMetrics("m")
         router = ReplicaRouter([Replica(0, None, None)], None, [engine.core.get_info()])
-        router.alive = [False]  # a dead replica: no Ray call, workers gauges only
+        router.replicas[0].alive = False  # a dead replica: no Ray call, workers gauges only
         gm.engines.engine = router
         fams = list(gm.registry.collect())
         fams += EngineCoreMetrics(engine.core).collect()

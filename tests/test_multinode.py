@@ -34,7 +34,9 @@ def main(model_dir: str) -> None:
             dp = c.model_info().data_parallel_size
         replicas = srv.replicas
         report = {
-            "bundle_nodes": [r.node_ids() for r in replicas],
+            # Per replica, the node of each bundle: [engine-core actor (= rank 0 without TP), rank 0, ...].
+            "bundle_nodes": [list(ray.util.placement_group_table(r.placement_group)["bundles_to_node_id"].values())
+                             for r in replicas],
             "scheduler_nodes": ray.get([r.actor.get_node_id.remote() for r in replicas]),
             "requests": [s.num_requests for s in ray.get([r.actor.get_stats.remote() for r in replicas])],
             "texts": sorted({r.text for r in results}),

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import fields
 
 from pagedserve.cluster.client import build_request
-from pagedserve.cluster.server.grpc_api.protocol import check_fields, params_from_proto
+from pagedserve.cluster.server.grpc_api.protocol import params_from_proto
 from pagedserve.proto import generate as gen
+from pagedserve.proto.fields import SAMPLING_FIELDS
+from pagedserve.sampling_params import SamplingParams
 
 # Version stamps differ between grpcio-tools releases without changing the stubs' meaning.
 _STAMP = re.compile(r"^.*(Protobuf Python Version|ValidateProtobufRuntimeVersion|GRPC_GENERATED_VERSION = |"
@@ -28,7 +31,8 @@ def test_stubs_are_up_to_date(tmp_path):
 
 
 def test_proto_mirrors_sampling_params():
-    check_fields()
+    engine = {f.name for f in fields(SamplingParams) if f.name != "all_stop_token_ids"}
+    assert not engine - set(SAMPLING_FIELDS), "SamplingParams fields missing from the proto"
     kw = dict(n=2, best_of=3, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, repetition_penalty=1.2,
               presence_penalty=0.3, frequency_penalty=-0.2, seed=11, stop=["x", "yz"], stop_token_ids=[4],
               include_stop_str_in_output=True, ignore_eos=True, max_tokens=9, min_tokens=2, logprobs=3,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from pagedserve.config import CacheConfig, SchedulerConfig
-from pagedserve.outputs import EngineCoreOutput
+from pagedserve.outputs import EngineCoreOutput, TokenLogprobs
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import block_manager
 from pagedserve.scheduler.block_manager import BlockPool, hash_block
@@ -135,7 +135,7 @@ class FakeWorker:
         for k, (p, pick) in enumerate(zip(params, picks)):
             if p.logprobs is not None:
                 ids, lps = pick.top if pick.top is not None else ([pick.token], [pick.logprob])
-                result.top_logprobs[k] = (ids[: p.logprobs], lps[: p.logprobs], 1)
+                result.logprobs[k] = TokenLogprobs(pick.token, pick.logprob, 1, ids[: p.logprobs], lps[: p.logprobs])
         return result
 
 
@@ -714,7 +714,8 @@ def test_beam_search_forks_copies_drops_and_finishes_with_ranked_beams() -> None
     assert req.sampling_params.logprobs == 4 and req.beam_state.num_candidates == 4
 
     s1 = h.step(top_k({s0.seq_id: ([10, 11, 12, 13], [-0.1, -0.2, -3.0, -4.0])}))
-    assert s1.result.top_logprobs == {0: ([10, 11, 12, 13], [-0.1, -0.2, -3.0, -4.0], 1)}
+    (top,) = s1.result.logprobs.values()
+    assert (top.top_ids, top.top_logprobs, top.rank) == ([10, 11, 12, 13], [-0.1, -0.2, -3.0, -4.0], 1)
     b0, b1 = req.seqs  # the best beam chosen twice: it forks, sharing its blocks
     assert b0 is s0 and (b0.token_ids[6:], b1.token_ids[6:], b1.index) == ([10], [11], 1)
     assert b0.cumulative_logprob == pytest.approx(-0.1) and b1.cumulative_logprob == pytest.approx(-0.2)
@@ -742,10 +743,10 @@ def test_beam_search_forks_copies_drops_and_finishes_with_ranked_beams() -> None
     assert s3.new(g.seq_id).token_ids == prompt(6) + [11, 31] and s3.new(g.seq_id).block_ids == [head, tail]
     out = s3.outputs["beam"]
     assert out.finished and req.status == RequestStatus.FINISHED_STOPPED
-    assert [(ids, reason) for ids, _, _, reason in out.beams] == [
+    assert [(b.tokens, b.finish_reason) for b in out.beams] == [
         (prompt(6) + [11, 30, 40], "length"), (prompt(6) + [11, 30, EOS], "stop")]
-    assert [cum for _, cum, _, _ in out.beams] == pytest.approx([-0.8, -0.9], abs=1e-6)
-    assert [score for _, _, score, _ in out.beams] == pytest.approx([-0.8 / 3, -0.9 / 3], abs=1e-6)
+    assert [b.cum_logprob for b in out.beams] == pytest.approx([-0.8, -0.9], abs=1e-6)
+    assert [b.score for b in out.beams] == pytest.approx([-0.8 / 3, -0.9 / 3], abs=1e-6)
     h.assert_all_free()
 
 

@@ -25,7 +25,7 @@ def copy_prompts(n: int, seed: int) -> list[list[int]]:
 def _run(model_dir: str, prompts, params, **kw):
     with LLM(model_dir, seed=0, **kw) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.llm_engine.core.get_stats()
+        stats = llm.llm_engine.core.get_stats().scheduler
         assert_all_blocks_free(llm)
     return [[c.token_ids for c in o.outputs] for o in outs], stats
 
@@ -54,12 +54,12 @@ def test_identical_under_preemption_chunked_prefill_prefix_cache_and_constraints
     plain, base = _run(llama_dir, prompts, params, **kw)
     spec, stats = _run(llama_dir, prompts, params, speculative_config=SPEC, **kw)
     assert spec == plain  # greedy and seeded sampling alike: a draft is kept only where the row's own sample is it
-    assert stats.preemptions_recompute + stats.preemptions_swap > 0 and stats.prefix_cache_hits > 0
+    assert sum(stats.num_preemptions.values()) > 0 and stats.prefix_cache_hits > 0
     assert stats.spec_num_accepted_tokens > 0
     assert stats.spec_num_draft_tokens - stats.spec_num_accepted_tokens > 20  # rejection-heavy, blocks all back
     assert stats.spec_accepted_per_pos[0] >= stats.spec_accepted_per_pos[-1]
     assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
-    assert stats.steps < base.steps  # fewer steps for the same tokens
+    assert stats.num_steps < base.num_steps  # fewer steps for the same tokens
 
 
 def test_tensor_parallel_identical(ray_cluster, llama_dir):

@@ -10,6 +10,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.kernels import get_backend
+from pagedserve.outputs import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.cpu import prepare_model, zeros_huge_pages
@@ -277,7 +278,8 @@ class ModelRunner:
             for i, st in enumerate(states):
                 k = st.params.logprobs
                 if k is not None:
-                    out.top_logprobs[i] = (top_ids[i][:k] if k else [], top_lps[i][:k] if k else [], ranks[i])
+                    out.logprobs[i] = TokenLogprobs(out.sampled_token_ids[i], out.sampled_logprobs[i], ranks[i],
+                                                    top_ids[i][:k] if k else [], top_lps[i][:k] if k else [])
         return out
 
     def _sample_rows(self, inp: StepInputs, sched: SchedulerOutput) -> list[SampleRow]:
@@ -299,7 +301,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> dict[int, list]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> dict[int, list[TokenLogprobs]]:
         result = {}
         for seq_id, first, start, length in inp.prompt_chunks:
             if length <= 0:
@@ -312,7 +314,7 @@ class ModelRunner:
             k = st.params.prompt_logprobs
             top_lp, top_ids = logprobs.topk(k, dim=1) if k else (None, None)
             result[seq_id] = [
-                (t, lp, r, top_ids[j].tolist() if k else [], top_lp[j].tolist() if k else [])
+                TokenLogprobs(t, lp, r, top_ids[j].tolist() if k else [], top_lp[j].tolist() if k else [])
                 for j, (t, lp, r) in enumerate(zip(targets.tolist(), chosen.squeeze(1).tolist(), ranks))]
         return result
 

@@ -79,6 +79,7 @@ class EngineCoreMetrics:
 
     def collect(self) -> list[Metric]:
         s = self.core.get_stats()
+        st = s.scheduler
         cc = self.core.config.cache_config
         fams: list[Metric] = []
 
@@ -109,26 +110,26 @@ class EngineCoreMetrics:
                          str(cc.enable_prefix_caching).lower()], 1)
         fams.append(info)
         counter("pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                s.prefix_cache_queries)
-        counter("pagedserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
+                st.prefix_cache_queries)
+        counter("pagedserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", st.prefix_cache_hits)
         counter("pagedserve_num_preemptions", "Requests preempted, by mode.", 0, "mode",
-                {"recompute": s.preemptions_recompute, "swap": s.preemptions_swap})
+                dict(st.num_preemptions))
         counter("pagedserve_swapped_blocks", "KV blocks copied between GPU and CPU swap space.", 0, "direction",
-                {"out": s.swapped_out_blocks, "in": s.swapped_in_blocks})
+                {"out": st.num_swapped_out_blocks, "in": st.num_swapped_in_blocks})
         counter("pagedserve_copy_on_write_blocks", "KV blocks copied on write (a shared block diverged).",
                 s.copy_on_write)
-        counter("pagedserve_engine_steps", "Engine steps (iterations) run.", s.steps)
+        counter("pagedserve_engine_steps", "Engine steps (iterations) run.", st.num_steps)
         counter("pagedserve_scheduled_tokens", "Tokens scheduled for the model (prefill + decode).",
-                s.scheduled_tokens)
+                st.num_scheduled_tokens)
         counter("pagedserve_worker_restarts", "Times the tensor-parallel worker group was rebuilt after a failure.",
                 s.num_worker_restarts)
         counter("pagedserve_structured_output_requests", "Requests constrained by structured output.",
                 s.num_constrained_requests)
         counter("pagedserve_spec_decode_num_drafts", "Draft sequences proposed by speculative decoding.",
-                s.spec_num_drafts)
-        counter("pagedserve_spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens)
-        counter("pagedserve_spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
-        per_pos = s.spec_accepted_per_pos or [0]  # a zero series from the first scrape
+                st.spec_num_drafts)
+        counter("pagedserve_spec_decode_num_draft_tokens", "Draft tokens proposed.", st.spec_num_draft_tokens)
+        counter("pagedserve_spec_decode_num_accepted_tokens", "Draft tokens accepted.", st.spec_num_accepted_tokens)
+        per_pos = st.spec_accepted_per_pos or [0]  # a zero series from the first scrape
         counter("pagedserve_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
                 0, "position", {str(i): v for i, v in enumerate(per_pos)})
         return fams + list(self.registry.collect())

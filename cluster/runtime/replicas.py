@@ -26,10 +26,6 @@ class Replica:
     actor: ray.actor.ActorHandle
     placement_group: object
 
-    def node_ids(self) -> list[str]:
-        """The node of each bundle: [engine-core actor (= rank 0 without TP), rank 0, ...]."""
-        return list(ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"].values())
-
 
 def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_requests: int | None = None,
                     step_timeout: float | None = None) -> list[Replica]:

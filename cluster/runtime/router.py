@@ -39,12 +39,35 @@ def unwrap(e: BaseException) -> BaseException:
 
 
 @dataclass(eq=False)
+class ReplicaState:
+    """A replica as this gateway sees it."""
+
+    replica: Replica
+    load: int = 0  # running requests, from this gateway
+    alive: bool = True  # its actor is up
+    ready: bool = True  # and not rebuilding its workers
+    gone: bool = False  # dead for good (Ray's restarts spent)
+
+    @property
+    def index(self) -> int:
+        return self.replica.index
+
+    @property
+    def actor(self) -> ray.actor.ActorHandle:
+        return self.replica.actor
+
+    @property
+    def serving(self) -> bool:
+        return self.alive and self.ready
+
+
+@dataclass(eq=False)
 class _InFlight:
     """A request this gateway runs, and what it takes to resume it on another engine."""
 
     request: EngineCoreRequest
     queue: asyncio.Queue
-    replica: int
+    replica: ReplicaState
     seed: int | None = None  # the engine's base seed, once it took the request
     attempts: int = 0  # engines that died under it
 
@@ -59,16 +82,12 @@ class ReplicaRouter(EngineClient):
     """
 
     def __init__(self, replicas: list[Replica], tokenizer, infos: list[EngineInfo]) -> None:
-        self.replicas = replicas
+        self.replicas = [ReplicaState(r) for r in replicas]
         self.info = dataclasses.replace(infos[0], num_kv_blocks=min(i.num_kv_blocks for i in infos))
         self.client_id = uuid.uuid4().hex
         self.input_processor = InputProcessor(tokenizer, self.info)
         self.processor = OutputProcessor(tokenizer, self._stop_sequence)
         self._inflight: dict[str, _InFlight] = {}
-        self.load = [0] * len(replicas)  # running requests per replica, from this gateway
-        self.alive = [True] * len(replicas)  # its actor is up
-        self.ready = [True] * len(replicas)  # and not rebuilding its workers
-        self.gone = [False] * len(replicas)  # dead for good (Ray's restarts spent)
         self._pumps: list[asyncio.Task] = []
         self._health_listeners: list[Callable[[], Awaitable[None]]] = []
         self._changed = asyncio.Event()  # set (and replaced) whenever a replica's state changes
@@ -83,70 +102,67 @@ class ReplicaRouter(EngineClient):
     def _stop_sequence(self, request_id: str, index: int) -> None:
         rec = self._inflight.get(request_id)
         if rec is not None:
-            self.replicas[rec.replica].actor.stop_sequence.remote(request_id, index)
+            rec.replica.actor.stop_sequence.remote(request_id, index)
 
     # ---- replica state -----------------------------------------------------------------------------------------
-    def _serving(self, i: int) -> bool:
-        return self.alive[i] and self.ready[i]
-
     @property
     def healthy(self) -> bool:
-        return any(self._serving(i) for i in range(len(self.replicas)))
+        return any(r.serving for r in self.replicas)
 
     def add_health_listener(self, listener: Callable[[], Awaitable[None]]) -> None:
         self._health_listeners.append(listener)
 
-    async def _set_state(self, i: int, *, alive: bool | None = None, ready: bool | None = None) -> None:
+    async def _set_state(self, r: ReplicaState, *, alive: bool | None = None, ready: bool | None = None) -> None:
         if alive is not None:
-            self.alive[i] = alive
+            r.alive = alive
         if ready is not None:
-            self.ready[i] = ready
+            r.ready = ready
         self._changed.set()
         self._changed = asyncio.Event()
         for listener in self._health_listeners:
             await listener()
 
-    def _pick(self) -> int:
-        live = [i for i in range(len(self.replicas)) if self._serving(i)]
+    def _pick(self) -> ReplicaState:
+        live = [r for r in self.replicas if r.serving]
         if not live:
             raise EngineUnavailableError("no model replica is available")
-        return min(live, key=lambda i: self.load[i])
+        return min(live, key=lambda r: r.load)
 
-    async def _wait_for_replica(self) -> int | None:
+    async def _wait_for_replica(self) -> ReplicaState | None:
         """A replica that can serve, waiting up to RESUME_WAIT_S for one; None if none comes."""
         deadline = asyncio.get_running_loop().time() + RESUME_WAIT_S
         while True:
             with contextlib.suppress(EngineUnavailableError):
                 return self._pick()
             left = deadline - asyncio.get_running_loop().time()
-            if all(self.gone) or left <= 0:
+            if all(r.gone for r in self.replicas) or left <= 0:
                 return None
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), left)
 
     # ---- receiving ---------------------------------------------------------------------------------------------
-    async def _pump(self, replica: Replica) -> None:
+    async def _pump(self, r: ReplicaState) -> None:
         """Receive the replica's outputs; when its actor dies, resume its requests and wait for Ray to restart it."""
-        i = replica.index
+        i = r.index
         while True:
-            gen = replica.actor.output_stream.options(num_returns="streaming").remote(self.client_id)
+            gen = r.actor.output_stream.options(num_returns="streaming").remote(self.client_id)
             try:
                 async for ref in gen:
-                    await self._deliver(i, await ref)
+                    await self._deliver(r, await ref)
                 return
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 logger.error("replica %d failed: %s", i, e)
-            await self._set_state(i, alive=False)
-            for rec in [r for r in self._inflight.values() if r.replica == i]:
+            await self._set_state(r, alive=False)
+            for rec in [rec for rec in self._inflight.values() if rec.replica is r]:
                 asyncio.get_running_loop().create_task(self._resume(rec))
-            if not await self._await_restart(replica):
-                self.gone[i] = True
-                await self._set_state(i)
+            if not await self._await_restart(r.replica):
+                r.gone = True
+                await self._set_state(r)
                 return
             logger.info("replica %d restarted", i)
-            await self._set_state(i, alive=True, ready=True)
+            await self._set_state(r, alive=True, ready=True)
 
     @staticmethod
     async def _await_restart(replica: Replica) -> bool:
@@ -161,13 +177,13 @@ class ReplicaRouter(EngineClient):
                 logger.error("replica %d is gone for good: %s", replica.index, e)
                 return False
 
-    async def _deliver(self, i: int, batch: list[EngineCoreOutput | EngineHealth]) -> None:
+    async def _deliver(self, r: ReplicaState, batch: list[EngineCoreOutput | EngineHealth]) -> None:
         outputs = []
         for item in batch:
             if isinstance(item, EngineHealth):
-                logger.log(logging.INFO if item.healthy else logging.WARNING, "replica %d %s", i,
+                logger.log(logging.INFO if item.healthy else logging.WARNING, "replica %d %s", r.index,
                            "serves again" if item.healthy else f"cannot serve: {item.reason}")
-                await self._set_state(i, ready=item.healthy)
+                await self._set_state(r, ready=item.healthy)
             else:
                 outputs.append(item)
         for out in self.processor.process(outputs):
@@ -184,24 +200,24 @@ class ReplicaRouter(EngineClient):
             error = "its model replica failed before it started; retry the request"
         elif rec.attempts > MAX_RESUMES:
             error = f"its model replica failed {rec.attempts} times; retry the request"
-        j = None if error else await self._wait_for_replica()
+        target = None if error else await self._wait_for_replica()
         if self._inflight.get(rid) is not rec:  # cancelled or finished meanwhile
             return
-        if error is None and j is None:
+        if target is None and error is None:
             error = "no model replica came back to resume it; retry the request"
         if error is not None:
             rec.queue.put_nowait(EngineUnavailableError(error))
             return
         state = self.processor.resume_state(rid, rec.seed)
-        self.load[rec.replica] -= 1
-        rec.replica = j
-        self.load[j] += 1
-        logger.info("resuming request %s on replica %d (attempt %d)", rid, j, rec.attempts)
+        rec.replica.load -= 1
+        rec.replica = target
+        target.load += 1
+        logger.info("resuming request %s on replica %d (attempt %d)", rid, target.index, rec.attempts)
         try:
-            await self.replicas[j].actor.add_request.remote(self.client_id,
-                                                            dataclasses.replace(rec.request, resume=state))
+            await target.actor.add_request.remote(self.client_id, dataclasses.replace(rec.request, resume=state))
         except ray.exceptions.RayError as e:
-            rec.queue.put_nowait(EngineUnavailableError(f"model replica {j} failed resuming it: {type(e).__name__}"))
+            rec.queue.put_nowait(EngineUnavailableError(
+                f"model replica {target.index} failed resuming it: {type(e).__name__}"))
 
     # ---- the EngineClient API ----------------------------------------------------------------------------------
     async def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
@@ -221,14 +237,14 @@ class ReplicaRouter(EngineClient):
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
         rec = _InFlight(request, asyncio.Queue(), self._pick())
         self._inflight[request_id] = rec
-        self.load[rec.replica] += 1
+        rec.replica.load += 1
         finished = False
         try:
             self.processor.add_request(request_id, prompt, request.prompt_token_ids, request.params, stream,
                                        delta=True)
-            i = rec.replica
+            i = rec.replica.index
             try:
-                rec.seed = await self.replicas[i].actor.add_request.remote(self.client_id, request)
+                rec.seed = await rec.replica.actor.add_request.remote(self.client_id, request)
             except ray.exceptions.RayTaskError as e:
                 cause = unwrap(e)
                 if isinstance(cause, (ValueError, OverloadedError)):
@@ -250,10 +266,10 @@ class ReplicaRouter(EngineClient):
                     return
         finally:
             self._inflight.pop(request_id, None)
-            self.load[rec.replica] -= 1
+            rec.replica.load -= 1
             self.processor.abort(request_id)
-            if not finished and self.alive[rec.replica]:
-                self.replicas[rec.replica].actor.abort.remote([request_id])
+            if not finished and rec.replica.alive:
+                rec.replica.actor.abort.remote([request_id])
 
     async def abort(self, request_id: str) -> bool:
         """End a running request: its stream ends with finish reason "abort"."""
@@ -261,13 +277,13 @@ class ReplicaRouter(EngineClient):
         if rec is None:
             return False
         out = self.processor.abort_output(request_id)
-        await self.replicas[rec.replica].actor.abort.remote([request_id])
+        await rec.replica.actor.abort.remote([request_id])
         if out is not None:
             rec.queue.put_nowait(out)
         return True
 
     async def get_stats(self) -> list[EngineStats]:
-        return await asyncio.gather(*[r.actor.get_stats.remote() for r, ok in zip(self.replicas, self.alive) if ok])
+        return await asyncio.gather(*[r.actor.get_stats.remote() for r in self.replicas if r.alive])
 
     def collect_metrics(self) -> list[Metric]:
         """Every live replica's metric families, their samples labelled ``replica``, and the workers-up gauges."""
@@ -277,11 +293,11 @@ class ReplicaRouter(EngineClient):
         expected = GaugeMetricFamily("pagedserve_workers_expected",
                                      "Model workers (TP ranks) configured, per replica.", labels=["replica"])
         merged: dict[str, Metric] = {}
-        for r, alive in zip(self.replicas, self.alive):
+        for r in self.replicas:
             label = str(r.index)
             expected.add_metric([label], tp)
             families = None
-            if alive:
+            if r.alive:
                 try:
                     families = ray.get(r.actor.get_metrics.remote(), timeout=SCRAPE_TIMEOUT_S)
                 except Exception as e:  # a dying replica must not break the scrape

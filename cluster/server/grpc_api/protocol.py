@@ -2,7 +2,7 @@
 messages."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
@@ -12,7 +12,6 @@ from pagedserve.proto.fields import (
     OPTIONAL_SAMPLING_FIELDS,
     PLAIN_SAMPLING_FIELDS,
     REPEATED_SAMPLING_FIELDS,
-    SAMPLING_FIELDS,
 )
 from pagedserve.proto.v1 import generation_pb2 as pb
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -156,11 +155,3 @@ class ResponseBuilder:
         resp.usage.prompt_tokens = self.prompt_len
         resp.usage.completion_tokens = sum(len(c.token_ids) for c in resp.completions)
         return resp
-
-
-def check_fields() -> None:
-    """The proto mirrors every SamplingParams field (asserted in tests)."""
-    engine = {f.name for f in fields(SamplingParams) if f.name != "all_stop_token_ids"}
-    missing = engine - set(SAMPLING_FIELDS)
-    if missing:
-        raise AssertionError(f"SamplingParams fields missing from the proto: {sorted(missing)}")
