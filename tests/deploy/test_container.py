@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONTAINERFILE = (REPO / "deploy" / "container" / "Containerfile").read_text()
 CHART_VALUES = yaml.safe_load((REPO / "deploy" / "helm" / "pagedserve" / "values.yaml").read_text())
 
