@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Prometheus (the `prometheus` server and `promtool`) from the distribution's package when missing:
-# tests/test_deploy.py and tests/test_prometheus.py need them (they skip without them). Debian/Ubuntu (apt-get)
+# tests/deploy/test_deploy.py and tests/deploy/test_prometheus.py need them (they skip without them). Debian/Ubuntu (apt-get)
 # only; as root, or through passwordless sudo. Never fails: when it cannot install, it says why and exits 0.
 #
 #   bash deploy/install_prometheus.sh

@@ -1,6 +1,6 @@
 """Regenerate the committed Python stubs from the .proto files: ``python -m pagedserve.proto.generate``.
 
-Stubs land in ``proto/v1/`` (importable as ``pagedserve.proto.v1``); tests/test_proto.py fails when they are stale.
+Stubs land in ``proto/v1/`` (importable as ``pagedserve.proto.v1``); tests/unit/test_proto.py fails when they are stale.
 """
 from __future__ import annotations
 

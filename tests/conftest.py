@@ -4,6 +4,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,17 @@ import torch
 from pagedserve.tests.utils import make_model, make_tokenizer
 
 torch.set_num_threads(2)
+
+LAYERS = ("unit", "engine", "cluster", "deploy")  # the folders under tests/, lightest first
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test carries its folder's marker, so `-m unit` selects what `pytest tests/unit` runs."""
+    root = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(root).parts if item.path.is_relative_to(root) else ()
+        if parts and parts[0] in LAYERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))
 
 
 @pytest.fixture(scope="module")

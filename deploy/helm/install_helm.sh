@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what tests/test_helm.py renders and validates the chart with, into a virtual environment (default: the
+# Installs what tests/deploy/test_helm.py renders and validates the chart with, into a virtual environment (default: the
 # repository's .venv), when missing:
 #   helm-python-sdk      Helm 4's Go SDK (chart loading, rendering, `helm lint`, values.schema.json) behind a
 #                        Python API, as a prebuilt wheel from PyPI: no helm binary, no Go toolchain

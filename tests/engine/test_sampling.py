@@ -9,7 +9,6 @@ from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.tests.utils import EOS, VOCAB, assert_all_blocks_free, random_prompts
-from pagedserve.worker.sampler import SamplingMetadata, apply_penalties, hashed_uniform, sample
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +18,6 @@ def llm(llama_dir):
 
 def _gen(llm, prompts, params):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def _md(n: int, **kw) -> SamplingMetadata:
-    base = dict(temperature=torch.ones(n), all_greedy=False, top_k=None, top_p=None, min_p=None,
-                seeds=torch.arange(n, dtype=torch.long) * 7919 + 13, counters=torch.zeros(n, dtype=torch.long))
-    base.update(kw)
-    return SamplingMetadata(**base)
 
 
 def test_seeded_sampling_is_batch_invariant(llm):
@@ -51,48 +43,6 @@ def test_seeded_sampling_survives_preemption(llama_dir, llm):
     tight = LLM(llama_dir, num_gpu_blocks_override=10)
     assert [o.outputs[0].token_ids for o in _gen(tight, prompts, params)] == free
     assert tight.llm_engine.core.scheduler.stats.num_preemptions["recompute"] > 0
-
-
-def test_hashed_uniform_is_uniform():
-    u = hashed_uniform(torch.arange(20000, dtype=torch.long) * 31 + 5, torch.full((20000,), 3))
-    assert 0 < u.min() and u.max() < 1
-    hist = torch.histc(u.float(), bins=10, min=0, max=1)
-    assert (hist - 2000).abs().max() < 200
-
-
-def test_sampling_follows_distribution_and_filters():
-    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
-    n = 20000
-    logits = probs.log().expand(n, 4).clone()
-    counts = torch.bincount(sample(logits, _md(n)).token_ids, minlength=4).float() / n
-    assert torch.allclose(counts, probs, atol=0.015)
-    top_k = sample(logits, _md(n, top_k=torch.full((n,), 2))).token_ids
-    assert set(top_k.tolist()) == {0, 1} and abs((top_k == 0).float().mean() - 2 / 3) < 0.02
-    top_p = sample(logits, _md(n, top_p=torch.full((n,), 0.7))).token_ids  # keeps 0.5 + 0.25
-    assert set(top_p.tolist()) == {0, 1}
-    min_p = sample(logits, _md(n, min_p=torch.full((n,), 0.3))).token_ids  # >= 0.15 kept
-    assert set(min_p.tolist()) == {0, 1, 2}
-    cold = sample(logits, _md(n, temperature=torch.full((n,), 0.05))).token_ids
-    assert (cold == 0).float().mean() > 0.99
-
-
-def test_penalties_match_hand_computation():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
-    md = _md(2, repetition_penalty=torch.tensor([2.0, 1.0]), presence_penalty=torch.tensor([0.5, 0.3]),
-             frequency_penalty=torch.tensor([0.25, 0.1]),
-             prompt_tokens=torch.tensor([[0, 1], [4, -1]]), output_tokens=torch.tensor([[3, 3, 1], [2, -1, -1]]))
-    got = apply_penalties(logits.clone(), md)
-    expected = logits.clone().tolist()
-    for row, (rep, pres, freq, prompt, output) in enumerate(
-            [(2.0, 0.5, 0.25, [0, 1], [3, 3, 1]), (1.0, 0.3, 0.1, [4], [2])]):
-        for tok in range(5):
-            v = expected[row][tok]
-            if tok in prompt or tok in output:
-                v = v / rep if v > 0 else v * rep
-            c = output.count(tok)
-            v -= freq * c + (pres if c else 0.0)
-            expected[row][tok] = v
-    assert torch.allclose(got, torch.tensor(expected))
 
 
 def test_repetition_penalty_matches_hf(llama_dir, llm):
@@ -231,34 +181,3 @@ def test_prompt_logprobs_bypass_a_warm_prefix_cache(llama_dir):
     llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)  # fills the cache
     out = llm.generate(prompt, SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
     assert len(out.prompt_logprobs) == 40 and all(e is not None for e in out.prompt_logprobs[1:])
-
-
-def test_token_bitmask_bits_and_rows():
-    """Bit t of int32 word t // 32 allows token t (llguidance's layout); unlisted rows are untouched; tokens past
-    the mask's width are not allowed, bits past the vocabulary are ignored. The torch reference, the C++ kernel and
-    the sampler's choice between them all follow that definition, and none writes into its input."""
-    import numpy as np
-
-    from pagedserve.kernels import cpu_extension, cpu_fused, torch_ref
-    from pagedserve.worker.sampler import apply_token_bitmask
-
-    impls = [torch_ref.apply_token_bitmask, apply_token_bitmask]
-    if cpu_extension.load() is not None:
-        impls.append(cpu_fused.apply_token_bitmask)
-    vocab = 331
-    rng = np.random.default_rng(0)
-    for words in (10, 12):  # 320 bits < 331 < 384
-        mask = rng.integers(-2**31, 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
-        mask[1, 2] = -1  # a word allowing all 32 tokens
-        logits = torch.randn(5, vocab)
-        before = logits.clone()
-        rows = torch.tensor([0, 2, 4])
-        for impl in impls:
-            out = impl(logits, rows, torch.from_numpy(mask))
-            assert torch.equal(logits, before)
-            for i, r in enumerate(rows.tolist()):
-                want = [t < 32 * words and (int(mask[i, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)]
-                assert (out[r] != float("-inf")).tolist() == want
-                assert torch.equal(out[r][torch.tensor(want)], logits[r][torch.tensor(want)])
-            assert torch.equal(out[[1, 3]], logits[[1, 3]])
-            assert torch.equal(impl(logits[rows], torch.arange(3), torch.from_numpy(mask)), out[rows])

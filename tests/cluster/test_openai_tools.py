@@ -21,7 +21,7 @@ from pagedserve.tests.server_thread import ServerThread, free_port
 
 KEY = "tools-key"
 MODEL = "tiny-llama"
-TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "lm_eval")
+TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "lm_eval")
 
 
 @pytest.fixture(scope="module")

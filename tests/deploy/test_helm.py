@@ -19,7 +19,7 @@ helm = pytest.importorskip(
 kv = pytest.importorskip(
     "kubernetes_validate.utils", reason="kubernetes-validate is missing: run deploy/helm/install_helm.sh")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "pagedserve"
 VALUE_SETS = sorted(p.stem.removesuffix("-values") for p in (CHART / "ci").glob("*-values.yaml"))
 K8S_VERSION = "1.37.0"  # the newest Kubernetes kubernetes-validate has schemas for

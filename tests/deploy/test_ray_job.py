@@ -13,7 +13,7 @@ import psutil
 
 from pagedserve.tests.server_thread import free_port
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_ray_job_submit_runs_serve_and_query(llama_dir):
