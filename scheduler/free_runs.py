@@ -1,9 +1,9 @@
 """Free KV blocks kept as runs of consecutive ids, so that a sequence's blocks can lie next to each other.
 
 Decode attention reads a sequence's blocks in table order, and reads consecutive blocks markedly faster than
-scattered ones. So a growing sequence takes the block after its last one when that is free, and a
-new run starts in the middle of the largest free run: that leaves room to grow both to the sequence whose blocks
-end before it and to itself.
+scattered ones. So a growing sequence takes the block after its last one when that is free, and a new run starts in
+the middle of the largest free run: that leaves room to grow both to the sequence whose blocks end before it and to
+itself.
 """
 from __future__ import annotations
 

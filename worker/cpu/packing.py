@@ -3,10 +3,10 @@
 
 ``F.linear`` (MKL sgemm) repacks the weight on every call; at decode batch sizes that repacking is a large share of
 the call. fp32 weights go into 16-column panels for ``kernels/cpu_gemm.py`` on AVX2 CPUs without AVX-512 (faster
-than oneDNN's prepacked linear at decode batch sizes there); bf16 weights into k-pair panels
-for ``kernels/cpu_gemm_bf16.py`` on CPUs with AVX512-BF16; elsewhere oneDNN's blocked layout. The packed weight
-replaces the plain one (same memory), except where the weight is shared (a tied LM head): that one is kept for
-the other users and packed as a copy.
+than oneDNN's prepacked linear at decode batch sizes there); bf16 weights into k-pair panels for
+``kernels/cpu_gemm_bf16.py`` on CPUs with AVX512-BF16; elsewhere oneDNN's blocked layout. The packed weight replaces
+the plain one (same memory), except where the weight is shared (a tied LM head): that one is kept for the other
+users and packed as a copy.
 """
 from __future__ import annotations
 
@@ -75,13 +75,13 @@ def _packer(w: torch.Tensor, panels: bool, bf16_panels: bool) -> str | None:
 
 def pack_linears(model: nn.Module, batch_hint: int = 128, panels: bool | None = None,
                  bf16_panels: bool | None = None) -> int:
-    """Pack every linear weight; returns how many modules got a packed weight. A weight only its layer uses is
-    replaced by its packed copy. A shared one (a tied LM head: the embedding reads the same tensor) stays, and its
-    packed copy is made once and given to every packable module that shares it, as vLLM's CPU backend does: one
-    more copy of the vocabulary matrix, for an LM head that ``F.linear`` runs far slower (its MKL call repacks the
-    weight each time). ``panels``: use the C++ panel GEMM for fp32 (default: where
-    :func:`panel_gemm_preferred`); ``bf16_panels``: the AVX512-BF16 one for bf16 (default: where it is built).
-    Both need the C++ extension; with neither, every weight goes to oneDNN's layout."""
+    """Pack every linear weight; returns how many modules got a packed weight. A weight only its layer uses is replaced
+    by its packed copy. A shared one (a tied LM head: the embedding reads the same tensor) stays, and its packed copy is
+    made once and given to every packable module that shares it, as vLLM's CPU backend does: one more copy of the
+    vocabulary matrix, for an LM head that ``F.linear`` runs far slower (its MKL call repacks the weight each time).
+    ``panels``: use the C++ panel GEMM for fp32 (default: where :func:`panel_gemm_preferred`); ``bf16_panels``: the
+    AVX512-BF16 one for bf16 (default: where it is built). Both need the C++ extension; with neither, every weight goes
+    to oneDNN's layout."""
     if panels is None:
         panels = panel_gemm_preferred()
     if bf16_panels is None:
