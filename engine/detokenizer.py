@@ -2,7 +2,7 @@
 
 Text is emitted only once it is stable: a token whose bytes end inside a UTF-8 character (decoding
 to U+FFFD) is held back until the character completes, and with stop strings the last
-``max_stop_len - 1`` characters are held back so a stop string never leaks half-way.
+``max_stop_str_len - 1`` characters are held back so a stop string never leaks half-way.
 """
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ atexit.register(gc.unfreeze)
 def freeze_gc_heap() -> None:
     """Move every object alive now (imports, model, tokenizer: ~200k objects) into the permanent generation.
 
-    The collector then only walks what serving allocates. Without this, each full collection re-walked the whole
-    startup heap (~100 ms here) and the gateway spent 11% of its CPU in ``gc_collect_main``, time taken from the
-    engine on a machine where they share cores. The engine core calls this once built, the gateway once ready.
+    The collector then only walks what serving allocates. Without this, each full collection re-walks the whole
+    startup heap, CPU taken from the engine where they share cores. The engine core calls this once built, the
+    gateway once ready.
     """
     gc.collect()
     gc.freeze()

@@ -62,8 +62,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stop_fn = stop_fn
         self.states: dict[str, _RequestState] = {}
-        # Each logprob entry names its token's text: a 2048-token prompt chunk with prompt_logprobs=20 is 43k
-        # single-token decodes: ~150 ms of a serving event loop uncached (3.5 us each here), a few ms cached.
+        # Each logprob entry names its token's text: cached per token id, as prompt logprobs ask for tens of
+        # thousands of single-token decodes.
         self._token_text: dict[int, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],

@@ -1,5 +1,5 @@
-"""``EngineClient``: what a server protocol (gRPC today, HTTP next) needs from the engine, wherever the engine
-runs. The server room codes against this; the serving runtime's router over Ray replicas implements it."""
+"""``EngineClient``: what a server protocol (gRPC, HTTP) needs from the engine, wherever the engine runs. The
+server room codes against this; the serving runtime's router over Ray replicas implements it."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

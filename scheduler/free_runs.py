@@ -1,11 +1,9 @@
 """Free KV blocks kept as runs of consecutive ids, so that a sequence's blocks can lie next to each other.
 
-Decode attention reads a sequence's blocks in table order. On the 2-core Zen 5 EPYC the bf16 CPU kernel read
-16-token blocks (16 KB per layer for K, as much for V) at 34-38 GB/s where the tables pointed at random blocks,
-44-45 where they came in runs of 4, and 48-52 where each sequence's blocks were consecutive (8 to 118 sequences,
-the same kernel and cache). So a growing sequence takes the block after its last one when that is free, and a
-new run starts in the middle of the largest free run: that leaves room to grow both to the sequence whose blocks
-end before it and to itself.
+Decode attention reads a sequence's blocks in table order, and reads consecutive blocks markedly faster than
+scattered ones. So a growing sequence takes the block after its last one when that is free, and a new run starts in
+the middle of the largest free run: that leaves room to grow both to the sequence whose blocks end before it and to
+itself.
 """
 from __future__ import annotations
 

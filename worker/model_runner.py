@@ -189,7 +189,7 @@ class ModelRunner:
     def _sampling_metadata(self, rows: list[SampleRow], sched: SchedulerOutput) -> SamplingMetadata:
         dev = self.device
         if not sched.grammar_rows and all(r.state.plain_greedy for r in rows):
-            # Greedy sampling reads no per-row setting: skip the per-row columns (1-2 us a row in Python).
+            # Greedy sampling reads no per-row setting: skip the per-row columns.
             zeros = torch.zeros(len(rows), dtype=torch.long, device=dev)
             return SamplingMetadata(temperature=torch.zeros(len(rows), device=dev), all_greedy=True, top_k=None,
                                     top_p=None, min_p=None, seeds=zeros, counters=zeros)

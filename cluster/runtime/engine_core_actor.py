@@ -36,9 +36,9 @@ class EngineCoreActor:
     aborts and stats reads that arrive meanwhile in between two steps. The event loop only routes outputs.
 
     One thread because libgomp gives each thread that starts parallel work its own OpenMP team, and once the teams
-    outnumber the cores it stops spinning between parallel regions: built on one thread and stepped on another, the
-    engine lost 15.6% against the offline one here (5000 context switches/s), on one thread 7.6% (474/s). Steps back
-    to back because a round trip through the event loop between two steps idled the engine for every dispatch.
+    outnumber the cores it stops spinning between parallel regions, and the engine pays a context switch at every
+    one. Steps back to back because a round trip through the event loop between two steps idled the engine for
+    every dispatch.
 
     A watchdog (``step_timeout`` seconds, None: off) restarts an engine whose step makes no progress: it kills the
     TP workers, so the step fails and the core rebuilds them (the requests start over on the new group), or, with

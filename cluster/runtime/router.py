@@ -225,8 +225,7 @@ class ReplicaRouter(EngineClient):
         if request_id in self._inflight:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
         if isinstance(prompt, str) and len(prompt) > INLINE_TOKENIZE_CHARS:
-            # ~0.75 us a character here (16 kB inline: ~12 ms); longer ones off the event loop, which streams every
-            # other request meanwhile.
+            # Long prompts are tokenized off the event loop, which streams every other request meanwhile.
             return await asyncio.to_thread(self.input_processor.process, request_id, prompt, params, cache_salt)
         return self.input_processor.process(request_id, prompt, params, cache_salt)
 

