@@ -11,7 +11,7 @@ from pagedserve.worker.forward_context import AttentionMetadata, set_forward_con
 from pagedserve.worker.layers.cpu_linear import pack_linears
 from pagedserve.worker.models.llama import LlamaForCausalLM
 
-pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not cpu_extension.available(), reason="no C++ compiler")
 BLOCK = 16
 
 
