@@ -61,6 +61,6 @@ def _message(e: Exception) -> str:
             or lines[-5:])[:5]
     return ("the C++ CPU kernels (pagedserve/kernels/csrc) failed to build:\n  "
             + "\n  ".join(line[:300] for line in gist)
-            + "\nThey need a C++ compiler with OpenMP and ninja (pip install ninja); PAGEDSERVE_VERBOSE_BUILD=1 "
-            "prints the build log. To run on torch ops instead (slower), pass attention_backend=\"torch\" "
-            "(CLI: --attention-backend torch).")
+            + "\nThey need a C++ compiler with OpenMP and ninja on PATH (pip's ninja package puts it in "
+            "the environment's bin/); PAGEDSERVE_VERBOSE_BUILD=1 prints the build log. To run on torch ops instead "
+            "(slower), pass attention_backend=\"torch\" (CLI: --attention-backend torch).")
