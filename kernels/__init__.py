@@ -25,6 +25,5 @@ def get_backend(name: str) -> ModuleType:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; choose one of {sorted(BACKENDS)}")
     if name == "cpu":
-        if cpu_extension.load() is None:  # no compiler here: same semantics, pure torch
-            name = "torch"
+        cpu_extension.load()  # a failed build raises here, naming attention_backend="torch"
     return importlib.import_module(BACKENDS[name])

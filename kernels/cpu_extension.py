@@ -1,52 +1,66 @@
-"""Builds the C++ CPU kernels (attention, fused norms/activations/rotary) into one extension on first use.
+"""Builds the C++ CPU kernels of ``csrc/`` into one extension on first use.
 
 Compiled with ``-march=native`` where it runs, with torch's extension loader (cached under
-``TORCH_EXTENSIONS_DIR``); ``load()`` returns None where no compiler is available and callers use torch ops.
+``TORCH_EXTENSIONS_DIR``). Where it cannot be built, :func:`load` raises :class:`KernelBuildError`, which says how
+to run on torch ops instead.
 """
 from __future__ import annotations
 
-import logging
 import os
+from pathlib import Path
+from types import ModuleType
 
-logger = logging.getLogger(__name__)
-
-_module = None
-_failed = False
-
-
-def _sources() -> tuple[str, dict[str, str]]:
-    from pagedserve.kernels import (
-        cpu_attention,
-        cpu_attention_bf16,
-        cpu_common,
-        cpu_fused,
-        cpu_gemm,
-        cpu_gemm_bf16,
-        cpu_layer,
-    )
-
-    parts = [cpu_attention, cpu_attention_bf16, cpu_fused, cpu_gemm, cpu_gemm_bf16, cpu_layer]
-    functions = {name: impl for part in parts for name, impl in part.FUNCTIONS.items()}
-    binding = "\n".join(f'  m.def("{name}", &{impl});' for name, impl in functions.items())
-    source = "\n".join([cpu_common.HEADER, *(part.SOURCE for part in parts),
-                        f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binding}\n}}\n"])
-    return source, functions
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ["attention.cpp", "attention_bf16.cpp", "fused.cpp", "gemm.cpp", "gemm_bf16.cpp", "layer.cpp",
+           "bindings.cpp"]
+# -ffp-contract=fast: a * b + c as one FMA (ISO C++ mode turns contraction off).
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
-def load():
-    """The compiled extension, or None where it cannot be built (callers fall back to torch)."""
-    global _module, _failed
-    if _module is None and not _failed:
+class KernelBuildError(RuntimeError):
+    """The C++ kernels did not build; the message names the fallback."""
+
+
+_module: ModuleType | None = None
+_error: KernelBuildError | None = None
+
+
+def load() -> ModuleType:
+    """The compiled extension, built on the first call; raises :class:`KernelBuildError` (the same one on every
+    later call) where it cannot be built."""
+    global _module, _error
+    if _error is not None:
+        raise _error
+    if _module is None:
         try:
-            from torch.utils.cpp_extension import load_inline
+            from torch.utils.cpp_extension import load as build
 
-            source, _ = _sources()
-            # -ffp-contract=fast: a * b + c as one FMA (ISO C++ mode turns contraction off).
-            _module = load_inline(
-                name="pagedserve_cpu_kernels", cpp_sources=[source],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                verbose=bool(os.environ.get("PAGEDSERVE_VERBOSE_BUILD")))
-        except Exception as e:  # a missing compiler or ninja: the torch path still works
-            _failed = True
-            logger.warning("CPU kernels unavailable (%s); using torch ops", e)
+            _module = build(name="pagedserve_cpu_kernels", sources=[str(CSRC / s) for s in SOURCES],
+                            extra_include_paths=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                            verbose=bool(os.environ.get("PAGEDSERVE_VERBOSE_BUILD")))
+        except Exception as e:  # a missing compiler or ninja, or a compile error
+            _error = KernelBuildError(_message(e))
+            raise _error from e
     return _module
+
+
+def available() -> bool:
+    """Whether the extension is built or builds now; False where :func:`load` raises."""
+    try:
+        load()
+    except KernelBuildError:
+        return False
+    return True
+
+
+def _message(e: Exception) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    # The compiler's diagnostics first; else torch's own message (no ninja, no compiler).
+    gist = ([line for line in lines if "error:" in line] or [line for line in lines if "error" in line.lower()]
+            or lines[-5:])[:5]
+    return ("the C++ CPU kernels (pagedserve/kernels/csrc) failed to build:\n  "
+            + "\n  ".join(line[:300] for line in gist)
+            + "\nThey need a C++ compiler with OpenMP and ninja on PATH (pip's ninja package puts it in "
+            "the environment's bin/); PAGEDSERVE_VERBOSE_BUILD=1 prints the build log. To run on torch ops instead "
+            "(slower), pass attention_backend=\"torch\" (CLI: --attention-backend torch).")

@@ -12,7 +12,7 @@ from pagedserve.worker.cpu.packing import pack_linears
 from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
 from pagedserve.worker.models.llama import LlamaForCausalLM
 
-pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not cpu_extension.available(), reason="no C++ compiler")
 BLOCK = 16
 
 

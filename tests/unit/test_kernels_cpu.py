@@ -22,8 +22,7 @@ FP32_TOL = dict(atol=2e-5, rtol=1e-5)
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    if cpu_extension.load() is None:
-        pytest.fail("the CPU kernels did not build (is a C++ compiler installed?)")
+    cpu_extension.load()  # a failed build fails here with the compiler's error
 
 
 def paged_case(q_lens, ctx_lens, gqa, block_size, head_size, dtype, seed, hkv=2):

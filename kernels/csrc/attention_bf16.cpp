@@ -1,31 +1,30 @@
-"""Paged attention for bf16 on AVX512-BF16 CPUs: the items of ``cpu_attention``'s plan, computed with ``vdpbf16ps``.
+// Paged attention for bf16 on AVX512-BF16 CPUs: the items of attention.cpp's plan, computed with vdpbf16ps.
+//
+// The generic kernel widens every bf16 element to fp32 8 lanes at a time; on the 2-core Zen 5 machine it ran bf16
+// prefill attention at 46-54 GFLOP/s (fp32: 109-129) and bf16 decode at 21 GB/s of KV (fp32: 50), so bf16 was the
+// slower dtype end to end. Here:
+//
+// - A decode row (one query position, all heads) scores 16 keys at a time: per key, D / 32 dot-product
+//   instructions on the bf16 row as stored, then one transposing reduction for the 16 keys; each 16-key chunk is
+//   done for all heads while in L1, and rows 32 keys ahead are prefetched: into L1 where the keys in flight fit it,
+//   else into L2 (Zen 4, 32 KB L1D: 118 rows of 300 keys 21 -> 30 GB/s). Softmax is fp32; the value pass takes two
+//   keys per instruction on interleaved V rows with the weights rounded to bf16, as in prefill. A step of 118 rows
+//   of ~400 keys read 21 GB/s of KV with the generic kernel, 28 here without the prefetch, 38-46 with it; from cache
+//   (no DRAM), widened V rows with fp32 FMAs ran 100 GB/s, paired ones 130.
+// - A prefill item is one sequence's rows for one KV head. Its V rows are interleaved once in pairs of keys (the
+//   operand layout of vdpbf16ps); then per tile of 16 query vectors (rows x GQA group) the scores S^T [keys, 16]
+//   come from broadcasting K's element pairs in place against the tile's queries packed as pairs, softmax runs down
+//   the key axis for the 16 lanes at once, and the weights, rounded to bf16 as torch's flash attention does for
+//   reduced precision, multiply the paired V rows. Scores and sums are fp32.
+// - A decode row of more than 512 keys runs as near-equal parts of at most 512 keys on any thread, each leaving
+//   its top scores, sums of exponentials and unnormalized outputs; the thread that finishes a row's last part merges
+//   them in part order, so the result follows from the row alone, not from the batch or the threads. One row of
+//   8000 keys: a decode step 7.29 -> 4.77 ms (the attention had run on one of the two cores).
+//
+// Built only where the compiler targets AVX512-BF16; attention.cpp uses the generic kernel elsewhere.
 
-The generic kernel widens every bf16 element to fp32 8 lanes at a time; on the 2-core Zen 5 machine it ran bf16
-prefill attention at 46-54 GFLOP/s (fp32: 109-129) and bf16 decode at 21 GB/s of KV (fp32: 50), so bf16 was the
-slower dtype end to end. Here:
+#include "attention.h"
 
-- A decode row (one query position, all heads) scores 16 keys at a time: per key, ``D / 32`` dot-product
-  instructions on the bf16 row as stored, then one transposing reduction for the 16 keys; each 16-key chunk is
-  done for all heads while in L1, and rows 32 keys ahead are prefetched: into L1 where the keys in flight fit it,
-  else into L2 (Zen 4, 32 KB L1D: 118 rows of 300 keys 21 -> 30 GB/s). Softmax is fp32; the value pass takes two
-  keys per instruction on interleaved V rows with the weights rounded to bf16, as in prefill. A step of 118 rows
-  of ~400 keys read 21 GB/s of KV with the generic kernel, 28 here without the prefetch, 38-46 with it; from cache
-  (no DRAM), widened V rows with fp32 FMAs ran 100 GB/s, paired ones 130.
-- A prefill item is one sequence's rows for one KV head. Its V rows are interleaved once in pairs of keys (the
-  operand layout of ``vdpbf16ps``); then per tile of 16 query vectors (rows x GQA group) the scores S^T [keys, 16]
-  come from broadcasting K's element pairs in place against the tile's queries packed as pairs, softmax runs down
-  the key axis for the 16 lanes at once, and the weights, rounded to bf16 as torch's flash attention does for
-  reduced precision, multiply the paired V rows. Scores and sums are fp32.
-- A decode row of more than 512 keys runs as near-equal parts of at most 512 keys on any thread, each leaving
-  its top scores, sums of exponentials and unnormalized outputs; the thread that finishes a row's last part merges
-  them in part order, so the result follows from the row alone, not from the batch or the threads. One row of
-  8000 keys: a decode step 7.29 -> 4.77 ms (the attention had run on one of the two cores).
-
-Built only where the compiler targets AVX512-BF16; ``cpu_attention`` uses the generic kernel elsewhere.
-"""
-from __future__ import annotations
-
-SOURCE = r"""
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 namespace ps {
@@ -407,6 +406,3 @@ void attend_item_bf16(const bf16_t*, const bf16_t*, const bf16_t*, bf16_t*, cons
 }
 }  // namespace ps
 #endif
-"""
-
-FUNCTIONS: dict[str, str] = {}

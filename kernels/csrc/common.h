@@ -1,13 +1,11 @@
-"""C++ helpers shared by the CPU kernels: 8-wide fp32 vectors, bf16 loads and stores, a vectorizable exp.
+#pragma once
+// Helpers shared by the CPU kernels: 8- and 16-wide fp32 vectors, bf16 loads and stores, a vectorizable exp, and
+// a work queue over torch's threads. Written with GCC/Clang vector extensions rather than intrinsics, so one source
+// builds for whatever -march=native offers (AVX2 here, AVX-512 or NEON elsewhere). Storage types are float and
+// bf16_t (the bits of a bfloat16); arithmetic is always fp32.
 
-Written with GCC/Clang vector extensions rather than intrinsics, so one source builds for whatever ``-march=native``
-offers (AVX2 here, AVX-512 or NEON elsewhere). Storage types are ``float`` and ``bf16_t`` (the bits of a bfloat16);
-arithmetic is always fp32.
-"""
-from __future__ import annotations
-
-HEADER = r"""
-#include <torch/extension.h>
+// The tensor API only: each file parses it (torch/extension.h took twice as long; bindings.cpp adds pybind11).
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
@@ -148,4 +146,3 @@ class ChunkQueue {
   }()
 
 }  // namespace ps
-"""

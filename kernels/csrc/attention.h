@@ -1,0 +1,58 @@
+#pragma once
+// Paged attention's plan (work items over a step's packed rows) and what the fp32 and bf16 kernels share.
+#include "common.h"
+
+namespace ps {
+
+struct AttnShape {
+  int64_t Hq, Hkv, G, D, bs, tok_stride, blk_stride, q_stride, o_stride, max_blocks;
+  float scale;
+};
+
+struct AttnItem {
+  int64_t seq, first_token, ctx0;  // ctx0: position of the sequence's first query row this step
+  int64_t r0, r1, h0, h1;          // query rows [r0, r1) of the sequence, KV heads [h0, h1)
+  double cost;
+  int64_t k0 = 0, k1 = 0, part = 0, parts = 1, slot = 0;  // a decode row's part: keys [k0, k1), its scratch slot
+};
+
+// Where the parts of split decode rows leave their partial results (scratch: `stride` floats per part, slots
+// numbered as plan() gave them) and how many of each sequence's parts are done.
+struct DecodeParts {
+  float* scratch;
+  std::atomic<int32_t>* done;
+  int64_t stride;
+};
+
+// The partial results of a decode row's n parts (each: Hq maxima, Hq sums, Hq x D outputs not yet divided by the
+// sums) combined in part order: acc = the outputs and l = the sums, each part scaled by exp(its max - the top).
+inline void combine_parts(const float* parts, int64_t n, const AttnShape& sh, float* acc, float* l) {
+  const int64_t Hq = sh.Hq, D = sh.D, stride = Hq * (D + 2);
+  thread_local std::vector<float> w;
+  w.resize(n);
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float top = -INFINITY;
+    for (int64_t p = 0; p < n; ++p) top = std::max(top, parts[p * stride + hq]);
+    l[hq] = 0.f;
+    for (int64_t p = 0; p < n; ++p) {
+      w[p] = std::exp(parts[p * stride + hq] - top);
+      l[hq] += w[p] * parts[p * stride + Hq + hq];
+    }
+    for (int64_t d = 0; d < D; d += 8) {
+      f32x8 a = {};
+      for (int64_t p = 0; p < n; ++p) a += splat(w[p]) * load8(parts + p * stride + 2 * Hq + hq * D + d);
+      store8(acc + hq * D + d, a);
+    }
+  }
+}
+
+// Defined in attention_bf16.cpp (where the compiler targets AVX512-BF16: else the first says no).
+bool attention_bf16_takes(const AttnShape& sh);
+void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+                      const AttnItem& it, const AttnShape& sh, const DecodeParts& split);
+
+// query [T, Hq, D], caches [blocks, block_size, Hkv, D], int32 tables; writes out [T, Hq, D].
+void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                     torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale, torch::Tensor out);
+
+}  // namespace ps

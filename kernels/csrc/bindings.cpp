@@ -1,0 +1,23 @@
+// The extension's Python functions: every kernel the Python modules of pagedserve.kernels call.
+#include <torch/python.h>
+
+#include "attention.h"
+#include "fused.h"
+#include "gemm.h"
+#include "gemm_bf16.h"
+#include "layer.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &ps::paged_attention);
+  m.def("rms_norm", &ps::rms_norm);
+  m.def("fused_add_rms_norm", &ps::fused_add_rms_norm);
+  m.def("silu_and_mul", &ps::silu_and_mul);
+  m.def("rotary", &ps::rotary);
+  m.def("reshape_and_cache", &ps::reshape_and_cache);
+  m.def("apply_token_bitmask", &ps::apply_token_bitmask);
+  m.def("argmax_rows", &ps::argmax_rows);
+  m.def("gemm_packed", &ps::gemm_packed);
+  m.def("gemm_bf16", &ps::gemm_bf16);
+  m.def("gemm_bf16_built", &ps::gemm_bf16_built);
+  m.def("llama_layer", &ps::llama_layer);
+}

@@ -1,0 +1,18 @@
+#pragma once
+// Fused element-wise kernels: RMSNorm (with the residual add), SiLU-and-mul, rotary, KV-cache writes, the
+// token bitmask on logits, greedy argmax.
+#include "common.h"
+
+namespace ps {
+
+void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor out);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void silu_and_mul(torch::Tensor x, torch::Tensor out);
+void rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
+            int64_t rot);
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                       torch::Tensor slot_mapping);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
+void argmax_rows(torch::Tensor x, torch::Tensor out);
+
+}  // namespace ps
