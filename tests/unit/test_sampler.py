@@ -65,7 +65,7 @@ def test_token_bitmask_bits_and_rows():
     from pagedserve.worker.sampler import apply_token_bitmask
 
     impls = [torch_ref.apply_token_bitmask, apply_token_bitmask]
-    if cpu_extension.load() is not None:
+    if cpu_extension.available():
         impls.append(cpu_fused.apply_token_bitmask)
     vocab = 331
     rng = np.random.default_rng(0)
