@@ -17,12 +17,14 @@ LAYERS = ("unit", "engine", "cluster", "deploy")  # the folders under tests/, li
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test carries its folder's marker, so `-m unit` selects what `pytest tests/unit` runs."""
+    """Each test carries its folder's marker, so `-m unit` selects what `pytest tests/unit` runs; a test outside
+    those folders is an error (it would escape every marker)."""
     root = Path(__file__).parent
     for item in items:
         parts = item.path.relative_to(root).parts if item.path.is_relative_to(root) else ()
-        if parts and parts[0] in LAYERS:
-            item.add_marker(getattr(pytest.mark, parts[0]))
+        if not parts or parts[0] not in LAYERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in one of tests/{{{','.join(LAYERS)}}}/")
+        item.add_marker(getattr(pytest.mark, parts[0]))
 
 
 @pytest.fixture(scope="module")
