@@ -1,7 +1,7 @@
 """bf16 GEMM for CPU linears on AVX512-BF16, ``y = x @ w.T (+ bias)``, on weights packed once into k-pair panels.
 
 Built only where the compiler targets AVX512-BF16 (``-march=native`` on such a CPU); elsewhere ``available()`` is
-False and bf16 linears keep oneDNN's prepacked path.
+False and bf16 linears keep oneDNN's prepacked path (``F.linear`` where oneDNN has no native bf16).
 
 The kernel: ``csrc/gemm_bf16.cpp``.
 """

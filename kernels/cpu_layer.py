@@ -2,10 +2,7 @@
 
 It runs the same kernels as the Python modules, in the same order, on the same buffers (so its results are
 bitwise those of the module path), without the ~12 module calls, shape checks and allocations around them that
-Python paid per layer: measured on the 2-core EPYC with ``bench-llama-58m``, the module path spent ~2 ms of a
-12 ms decode step (7 sequences) outside its kernels, this path 0.3 ms (steps of 101 sequences: 94.7 -> 90.1 ms).
-End to end, alternating with the module path (3 pairs each, same greedy tokens): sharegpt-like +3.4-4.8%,
-alpaca-like +3.2-7.5%. The model uses it where every layer qualifies (``LlamaModel.cpu_layers``).
+Python pays per layer. The model uses it where every layer qualifies (``LlamaModel.cpu_layers``).
 
 The kernel: ``csrc/layer.cpp``.
 """

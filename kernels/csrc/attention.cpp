@@ -13,11 +13,8 @@
 
 namespace ps {
 
-// Decode rows of more keys go in near-equal parts of at most this many, so that a long row runs on every thread
-// rather than one. bench-llama-58m bf16 decode steps (forward, LM head and argmax; alternating in one
-// process), unsplit against parts of 512: one row of 2000 keys 3.48 -> 3.19 ms, one of 8000 keys 7.29 -> 4.77,
-// 4 x 1000, 32 x 600 and 64 x 700 within 1%. Parts of 256 cost 3-4% at 16 x 300 and 64 x 700 (per-part setup).
-// fp32, one row of 8000 keys: 14.45-14.79 -> 11.90-12.44 ms (alternating processes).
+// Decode rows of more keys go in near-equal parts of at most this many, so a long row runs on every thread
+// (smaller parts cost more setup than they save).
 constexpr int64_t kDecodePartKeys = 512;
 
 // Keys go in chunks of 8: eight dot products share each query load and end in one transposing reduction; the

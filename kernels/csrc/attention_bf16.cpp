@@ -1,16 +1,12 @@
 // Paged attention for bf16 on AVX512-BF16 CPUs: the items of attention.cpp's plan, computed with vdpbf16ps.
 //
-// The generic kernel widens every bf16 element to fp32 8 lanes at a time; on the 2-core Zen 5 machine it ran bf16
-// prefill attention at 46-54 GFLOP/s (fp32: 109-129) and bf16 decode at 21 GB/s of KV (fp32: 50), so bf16 was the
-// slower dtype end to end. Here:
+// The generic kernel widens bf16 to fp32 8 lanes at a time, which made bf16 the slower dtype end to end. Here:
 //
 // - A decode row (one query position, all heads) scores 16 keys at a time: per key, D / 32 dot-product
 //   instructions on the bf16 row as stored, then one transposing reduction for the 16 keys; each 16-key chunk is
 //   done for all heads while in L1, and rows 32 keys ahead are prefetched: into L1 where the keys in flight fit it,
-//   else into L2 (Zen 4, 32 KB L1D: 118 rows of 300 keys 21 -> 30 GB/s). Softmax is fp32; the value pass takes two
-//   keys per instruction on interleaved V rows with the weights rounded to bf16, as in prefill. A step of 118 rows
-//   of ~400 keys read 21 GB/s of KV with the generic kernel, 28 here without the prefetch, 38-46 with it; from cache
-//   (no DRAM), widened V rows with fp32 FMAs ran 100 GB/s, paired ones 130.
+//   else into L2 (lines prefetched into a too-small L1 are evicted before use). Softmax is fp32; the value pass
+//   takes two keys per instruction on interleaved V rows with the weights rounded to bf16, as in prefill.
 // - A prefill item is one sequence's rows for one KV head. Its V rows are interleaved once in pairs of keys (the
 //   operand layout of vdpbf16ps); then per tile of 16 query vectors (rows x GQA group) the scores S^T [keys, 16]
 //   come from broadcasting K's element pairs in place against the tile's queries packed as pairs, softmax runs down
@@ -18,8 +14,7 @@
 //   reduced precision, multiply the paired V rows. Scores and sums are fp32.
 // - A decode row of more than 512 keys runs as near-equal parts of at most 512 keys on any thread, each leaving
 //   its top scores, sums of exponentials and unnormalized outputs; the thread that finishes a row's last part merges
-//   them in part order, so the result follows from the row alone, not from the batch or the threads. One row of
-//   8000 keys: a decode step 7.29 -> 4.77 ms (the attention had run on one of the two cores).
+//   them in part order, so the result follows from the row alone, not from the batch or the threads.
 //
 // Built only where the compiler targets AVX512-BF16; attention.cpp uses the generic kernel elsewhere.
 
@@ -136,10 +131,8 @@ inline void prefetch_rows(const bf16_t* cache, const int64_t* off, int64_t t, in
     }
 }
 
-// Whether the decode passes' keys in flight (the chunk in use and the 32 keys prefetched ahead: 48 rows) fit in
-// L1D, where prefetching into L1 paid: bench-llama-58m's 48 KB on Zen 5's 48 KB L1D read 46 GB/s of KV, 16 keys
-// ahead 37. Where they do not, lines prefetched into L1 were evicted before use: on Zen 4 (32 KB L1D) 118 rows of
-// 300 keys read 21 GB/s with L1 prefetches, 30 into L2 (the sum of a 1 GiB tensor: 33), alternating in one process.
+// Whether the decode keys in flight (the chunk in use and 32 keys ahead: 48 rows) fit in L1D; where they do not,
+// L1 prefetches are evicted before use, so prefetch into L2.
 inline bool prefetch_to_l1(const AttnShape& sh) {
   static const int64_t l1d = [] { const long n = sysconf(_SC_LEVEL1_DCACHE_SIZE); return n > 0 ? n : 32 << 10; }();
   return 48 * sh.tok_stride * int64_t(sizeof(bf16_t)) <= l1d;
@@ -163,8 +156,7 @@ void decode_range(const bf16_t* qrow, const bf16_t* kc, const bf16_t* vc, const 
   const int64_t* off = token_offsets(table, t0, t1, Lp - L, sh);
   const __m512 scale = _mm512_set1_ps(sh.scale);
   const bf16_t* rows[16];
-  // Rows 32 keys ahead are prefetched while a chunk is scored or summed (on Zen 5, without, 118 decode rows of ~400
-  // keys read 28 GB/s of KV; with 16 keys ahead 37, 32 ahead 46); the chunk after the first one, here.
+  // Rows 32 keys ahead are prefetched while a chunk is scored or summed; the chunk after the first one, here.
   const bool l1 = prefetch_to_l1(sh);
   prefetch_rows(kc, off, 16, L, 0, sh.tok_stride * 2, l1);
   for (int64_t u0 = 0; u0 < L; u0 += 16) {

@@ -1,7 +1,7 @@
 #pragma once
 // Helpers shared by the CPU kernels: 8- and 16-wide fp32 vectors, bf16 loads and stores, a vectorizable exp, and
 // a work queue over torch's threads. Written with GCC/Clang vector extensions rather than intrinsics, so one source
-// builds for whatever -march=native offers (AVX2 here, AVX-512 or NEON elsewhere). Storage types are float and
+// builds for whatever -march=native offers (AVX2, AVX-512 or NEON). Storage types are float and
 // bf16_t (the bits of a bfloat16); arithmetic is always fp32.
 
 // The tensor API only: each file parses it (torch/extension.h took twice as long; bindings.cpp adds pybind11).
@@ -117,9 +117,8 @@ template <typename T> inline T* mut_ptr(torch::Tensor& t) { return reinterpret_c
 
 // Guided self-scheduling of [0, n) over torch's threads: claim() hands out the next chunk [first, second), a
 // 1 / (2 x threads) share of what is left but at least one, and first == n once all is given out. A thread
-// that starts late (the other vCPU waking from its spin) or runs slower (host load on its core) takes less. With
-// halves fixed in advance, the two threads of the 2-core EPYC waited for each other in 6.5% and 10% of their
-// samples outside Python, mostly in GEMMs and decode attention; with this, 2.6% and 6% (perf, sharegpt-like bf16).
+// that starts late (the other vCPU waking from its spin) or runs slower (host load on its core) takes less, where
+// fixed halves made one wait for the other.
 class ChunkQueue {
  public:
   ChunkQueue(int64_t n, int64_t threads) : n_(n), div_(2 * threads) {}

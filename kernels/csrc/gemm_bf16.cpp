@@ -7,11 +7,8 @@
 // (block of rows, panel) units as they go, blocks of rows first (their activations stay in L2), and run every row
 // tile of a unit over the full K of its panel, so outputs are written once, rounded to bf16 (or kept fp32, for
 // logits). Every output is summed in k order whatever tile or thread its row lands in, so a row's result is bitwise
-// the same in any batch. Measured on the 2-core Zen 5 EPYC over all linears of bench-llama-58m (weights cold),
-// against oneDNN with prepacked weights: oneDNN took 1.18-1.77x as long at 1-8 rows, 1.2-1.4x at 16-64, 0.95-1.1x
-// at 128-2048 (where this kernel ran at 790-950 GFLOP/s against 990 for a bf16 torch.matmul). Each thread
-// prefetches its next panel into L2 while it runs the first row tile over the current one: alpaca-like bf16 end to
-// end 4856 -> 5095 tok/s (means of 3 alternating runs).
+// the same in any batch. Faster than oneDNN's prepacked linear at decode batch sizes, on par from 128 rows; each
+// thread prefetches its next panel into L2 while the first row tile over the current one runs.
 
 #include "gemm_bf16.h"
 
@@ -87,8 +84,7 @@ void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64
   if (M == 0) return;
   const int64_t K2 = K / 2;
   // Units are (block of rows, panel), row blocks first: a block's activations stay in L2 while its panels run.
-  // Blocks are near-equal (whole row tiles), so that units cost alike for the chunking: 256 rows as 240 + 16 gave
-  // one thread most of the 240-row units and the other the cheap 16-row ones (620 GFLOP/s; 132 + 124: ~1000).
+  // Blocks are near-equal (whole row tiles), so that units cost alike for the chunking.
   const int64_t blocks = (M + kBMC - 1) / kBMC, mb = ((M + blocks - 1) / blocks + kBMR - 1) / kBMR * kBMR;
   const int64_t units = (M + mb - 1) / mb * P, threads = std::min<int64_t>(at::get_num_threads(), units);
   ChunkQueue queue(units, threads);
@@ -100,8 +96,8 @@ void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64
         const int64_t m0 = u / P * mb, m1 = std::min(M, m0 + mb), j = u % P;
         const int64_t n0 = j * kBNR, ncols = std::min(kBNR, N - n0);
         const bf16_t* p = pp + j * K * kBNR;
-        // The first tile over a panel also fetches this thread's next panel into L2, so the weights stream in
-        // while the tiles run: all linears of bench-llama-58m, weights cold, 8 rows 1.94 -> 1.26-1.55 ms.
+        // The first tile over a panel also fetches this thread's next panel into L2, so weights stream in while
+        // tiles run.
         const int64_t v = u + 1 < cur.second ? u + 1 : next.first;
         const bf16_t* pf = v < units ? pp + v % P * K * kBNR : nullptr;
         for (int64_t m = m0; m < m1;) {
