@@ -98,3 +98,4 @@ class EngineHealth:
 
     healthy: bool
     reason: str = ""
+    failed: bool = False  # for good: the model fails every step the same way (``reason`` says how)

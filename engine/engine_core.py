@@ -16,7 +16,7 @@ from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineSt
 from pagedserve.engine.executor import Executor, create_executor
 from pagedserve.engine.gc_heap import freeze_gc_heap
 from pagedserve.engine.tokenizer import guidance_tokenizer, load_tokenizer
-from pagedserve.errors import InvalidRequestError, WorkerFailedError
+from pagedserve.errors import EngineUnavailableError, InvalidRequestError, WorkerFailedError
 from pagedserve.outputs import EngineCoreOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.request import Request, Sequence, child_seed
@@ -28,6 +28,34 @@ logger = logging.getLogger(__name__)
 _SEED_MASK = (1 << 63) - 1
 WARMUP_ID = "__warmup__"
 MAX_RESUMES = 3  # worker-group failures a request survives (recomputed each time) before it ends with an error
+REPEATED_FAILURES = 2  # the same step failure this many times in a row: the model is probed alone
+
+
+def failure_signature(error: BaseException) -> str:
+    """What a step failure was, as type and message of the model's own exception (a worker's, behind a Ray task
+    error): equal for a deterministic failure. A worker's death names its process, so no two deaths are equal."""
+    cause = error.__cause__ if isinstance(error, WorkerFailedError) and error.__cause__ is not None else error
+    inner = getattr(cause, "cause", None)  # a Ray task error carries the worker's exception
+    if isinstance(inner, BaseException):
+        cause = inner
+    return f"{type(cause).__name__}: {cause}"
+
+
+@dataclass
+class FailureStreak:
+    """The same step failure, counted while it repeats with no step succeeding between."""
+
+    last: str | None = None
+    count: int = 0
+
+    def add(self, error: BaseException) -> int:
+        sig = failure_signature(error)
+        self.count = self.count + 1 if sig == self.last else 1
+        self.last = sig
+        return self.count
+
+    def clear(self) -> None:
+        self.last, self.count = None, 0
 
 
 @dataclass
@@ -77,6 +105,10 @@ class EngineCore:
         self.num_requests = 0
         self.num_worker_restarts = 0
         self.dead = False  # set when the workers are gone and could not be rebuilt
+        # Set when the model fails every step the same way, a request of its own included: it takes no requests.
+        self.failed: str | None = None
+        self._streak = FailureStreak()
+        self._probing = False  # running the warm-up request alone to see whether the model can run at all
         freeze_gc_heap()
 
     def get_info(self) -> EngineInfo:
@@ -91,6 +123,8 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> Request:
         """Queue a request the input processor made; beam_params make it a beam search; a resume state continues
         one that another engine ran (see ``ResumeState``)."""
+        if self.failed is not None:
+            raise EngineUnavailableError(f"this model replica failed: {self.failed}")
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         params, resume, ids = request.sampling_params, request.resume, request.prompt_token_ids
@@ -118,14 +152,18 @@ class EngineCore:
         return req
 
     def warmup(self) -> None:
-        """Run one tiny request through the whole path (kernels built, caches touched); no-op while serving."""
-        if self.has_unfinished_requests():
+        """Run one tiny request through the whole path (a prefill and a decode step: kernels built, caches touched);
+        no-op while serving. Raises ``EngineUnavailableError`` with the model's error if the request fails."""
+        if self.failed is None and self.has_unfinished_requests():
             return
         eos = self.config.model_config.eos_token_ids
+        token = eos[0] if eos and 0 <= eos[0] < self.vocab_size else 0
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        self.add_request(EngineCoreRequest(WARMUP_ID, [eos[0] if eos else 0], params))
+        self.add_request(EngineCoreRequest(WARMUP_ID, [token], params))
         while self.has_unfinished_requests():
-            self.step()
+            for out in self.step():
+                if out.request_id == WARMUP_ID and out.error is not None:
+                    raise EngineUnavailableError(f"the warm-up request failed: {self.failed or out.error}")
 
     def get_stats(self) -> EngineStats:
         """Scheduler and KV-cache state and counters (the metrics exporter reads these)."""
@@ -164,12 +202,15 @@ class EngineCore:
         try:
             result = self.executor.execute_model(sched)
         except WorkerFailedError as e:
+            if self._probing:
+                raise
             logger.error("%s; rebuilding the worker group, the requests in flight start over on it", e)
             return self._recover(e)
         finally:
             if isinstance(sched.grammar_bitmask, Future):  # the matchers may not change while it is filled
                 wait([sched.grammar_bitmask])
         t2 = time.perf_counter()
+        self._streak.clear()
         outputs = self.scheduler.update_from_output(sched, result)
         self.last_step = StepStats(num_running, sched.total_num_scheduled_tokens, t1 - t0, t2 - t1,
                                    time.perf_counter() - t2, result.timings)
@@ -178,9 +219,13 @@ class EngineCore:
     def _recover(self, error: WorkerFailedError) -> list[EngineCoreOutput]:
         """Replace the whole TP group with fresh workers; the requests in flight start over from their tokens on it
         (recomputed), so they finish as they would have. Outputs only for the few whose retry budget is spent."""
+        repeats = self._streak.add(error)
         if self.on_health is not None:
             self.on_health(False, f"rebuilding the model workers after: {error}")
-        outputs = self.scheduler.requeue_all(MAX_RESUMES)
+        if repeats >= REPEATED_FAILURES:  # recomputing them would fail again: they end with the model's error
+            outputs = self.scheduler.fail_all(f"the model failed {repeats} times in a row: {self._streak.last}")
+        else:
+            outputs = self.scheduler.requeue_all(MAX_RESUMES)
         self.executor.shutdown()
         try:
             self.executor = self._executor_factory(self.config)
@@ -190,9 +235,37 @@ class EngineCore:
             self.dead = True  # no workers to step on: the host of this core must restart it
             raise RuntimeError(f"could not rebuild the model workers: {e}") from e
         self.num_worker_restarts += 1
-        if self.on_health is not None:
+        if repeats >= REPEATED_FAILURES:
+            self._probe()
+        if self.failed is None and self.on_health is not None:
             self.on_health(True, "")
         return outputs
+
+    def fail_step(self, error: Exception) -> list[EngineCoreOutput]:
+        """A step raised in this process (the model's code, not a worker's death): its requests end with the
+        error, and when the same error repeats the model is probed alone (see ``_probe``)."""
+        outputs = self.scheduler.fail_all(f"engine step failed: {failure_signature(error)}")
+        if not self._probing and self._streak.add(error) >= REPEATED_FAILURES:
+            self._probe()
+        return outputs
+
+    def _probe(self) -> None:
+        """Run the warm-up request alone: if it fails too, every step fails whatever it holds, so the core marks
+        itself failed (it takes no more requests and tells ``on_health``); else the failure was the requests'."""
+        self._probing = True
+        try:
+            self.warmup()
+        except Exception as e:
+            self.scheduler.fail_all(str(e))
+            self.failed = self._streak.last or failure_signature(e)
+            logger.error("the model fails every step the same way, a request of its own included: %s; this replica "
+                         "takes no more requests", self.failed)
+            if self.on_health is not None:
+                self.on_health(False, self.failed)
+        else:
+            self._streak.clear()
+        finally:
+            self._probing = False
 
     def shutdown(self) -> None:
         self.executor.shutdown()

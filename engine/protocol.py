@@ -21,6 +21,11 @@ class EngineClient(ABC):
     def healthy(self) -> bool:
         """Whether it can take and finish requests now (not while every replica is down or restarting)."""
 
+    @property
+    def health_detail(self) -> str:
+        """Why it cannot serve, when it cannot (a failed model's error); health checks report it."""
+        return ""
+
     @abstractmethod
     def add_health_listener(self, listener: Callable[[], Awaitable[None]]) -> None:
         """Awaited on the event loop whenever ``healthy`` may have changed."""

@@ -74,11 +74,14 @@ class EngineCoreActor:
                           on_health=self._on_core_health)
 
     def _on_core_health(self, healthy: bool, reason: str) -> None:
-        """Engine thread: the core stopped (or started again) being able to serve."""
+        """Engine thread: the core stopped (or started again) being able to serve, or failed for good."""
         if healthy:
             self._worker_pids = self.core.executor.worker_pids()
+        event = EngineHealth(healthy, reason, failed=self.core.failed is not None)
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._broadcast, EngineHealth(healthy, reason))
+            self._loop.call_soon_threadsafe(self._broadcast, event)
+        else:  # the launch warm-up: no gateway listens yet, a later one hears it on connecting
+            self._healthy = event
 
     def _broadcast(self, event: EngineHealth) -> None:
         self._healthy = event
@@ -110,7 +113,7 @@ class EngineCoreActor:
                 logger.exception("the engine cannot go on; ending this actor for Ray to restart it")
                 os._exit(71)
             logger.exception("engine step failed; failing the running requests")
-            outputs = self.core.scheduler.fail_all(f"engine step failed: {e}")
+            outputs = self.core.fail_step(e)
         finally:
             self._step_started = None
         if outputs:
@@ -186,7 +189,8 @@ class EngineCoreActor:
 
     async def warmup(self) -> None:
         """Run one tiny request through the whole path (the health check turns SERVING after this); a no-op on a
-        replica that is serving already (a gateway checking a restarted replica). Starts the step watchdog."""
+        replica that is serving already (a gateway checking a restarted replica). Starts the step watchdog.
+        Raises ``EngineUnavailableError`` with the model's error when the model cannot run it."""
         await self._on_engine(self.core.warmup)
         if self.step_timeout and self._watchdog_task is None:
             self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog())

@@ -13,6 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pagedserve.cluster.runtime.engine_core_actor import EngineCoreActor
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.executor.ray_utils import ensure_ray, make_placement_group, rank_bundle, rank_cpus
+from pagedserve.errors import EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ class Replica:
 
 def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_requests: int | None = None,
                     step_timeout: float | None = None) -> list[Replica]:
-    """Start ``data_parallel_size`` replicas and warm them up; raises if they cannot be placed or loaded."""
+    """Start ``data_parallel_size`` replicas and warm them up; raises if they cannot be placed or loaded, or if a
+    replica's model fails its warm-up request (``EngineUnavailableError`` with the model's error)."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
     config = args.create_engine_config()  # validates the model dir and the TP split before any actor starts
@@ -58,12 +60,27 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
                                                                      placement_group_capture_child_tasks=False),
             ).remote(args, max_waiting_requests, threads, step_timeout)
             replicas.append(Replica(i, actor, pg))
-        ray.get([r.actor.warmup.remote() for r in replicas])
+        _warm_up(replicas)
     except BaseException:
         shutdown_replicas(replicas)
         raise
     logger.info("%d replica(s) ready (tensor_parallel_size=%d)", len(replicas), tp)
     return replicas
+
+
+def _warm_up(replicas: list[Replica]) -> None:
+    """Each replica runs a request through its model (prefill and decode) before any is routed to: a model that
+    cannot run fails the launch, naming the replica and the model's error (replicas share model and arguments, so
+    one that fails here is a deployment to fix, not one to serve at reduced capacity)."""
+    refs = [r.actor.warmup.remote() for r in replicas]
+    for r, ref in zip(replicas, refs):
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+            why = str(cause) if isinstance(cause, EngineUnavailableError) else f"{type(cause).__name__}: {cause}"
+            logger.error("replica %d failed its warm-up: %s", r.index, why)
+            raise EngineUnavailableError(f"model replica {r.index} failed its warm-up: {why}") from None
 
 
 def shutdown_replicas(replicas: list[Replica]) -> None:

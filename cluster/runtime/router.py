@@ -47,6 +47,7 @@ class ReplicaState:
     alive: bool = True  # its actor is up
     ready: bool = True  # and not rebuilding its workers
     gone: bool = False  # dead for good (Ray's restarts spent)
+    error: str | None = None  # failed for good: its model fails every step the same way (the error)
 
     @property
     def index(self) -> int:
@@ -58,7 +59,12 @@ class ReplicaState:
 
     @property
     def serving(self) -> bool:
-        return self.alive and self.ready
+        return self.alive and self.ready and self.error is None
+
+    @property
+    def out(self) -> bool:
+        """It will not serve again without an operator (restart the server once the model is fixed)."""
+        return self.gone or self.error is not None
 
 
 @dataclass(eq=False)
@@ -70,6 +76,7 @@ class _InFlight:
     replica: ReplicaState
     seed: int | None = None  # the engine's base seed, once it took the request
     attempts: int = 0  # engines that died under it
+    error: str | None = None  # why the engine ended it with an error
 
 
 class ReplicaRouter(EngineClient):
@@ -109,6 +116,18 @@ class ReplicaRouter(EngineClient):
     def healthy(self) -> bool:
         return any(r.serving for r in self.replicas)
 
+    @property
+    def health_detail(self) -> str:
+        """Why no replica serves (each replica's state, with the error of one whose model failed)."""
+        if self.healthy:
+            return ""
+        parts = []
+        for r in self.replicas:
+            state = (f"failed: {r.error}" if r.error is not None else "gone" if r.gone
+                     else "restarting" if not r.alive else "rebuilding its workers")
+            parts.append(f"replica {r.index} {state}")
+        return "; ".join(parts)
+
     def add_health_listener(self, listener: Callable[[], Awaitable[None]]) -> None:
         self._health_listeners.append(listener)
 
@@ -125,7 +144,7 @@ class ReplicaRouter(EngineClient):
     def _pick(self) -> ReplicaState:
         live = [r for r in self.replicas if r.serving]
         if not live:
-            raise EngineUnavailableError("no model replica is available")
+            raise EngineUnavailableError(f"no model replica is available ({self.health_detail})")
         return min(live, key=lambda r: r.load)
 
     async def _wait_for_replica(self) -> ReplicaState | None:
@@ -135,7 +154,7 @@ class ReplicaRouter(EngineClient):
             with contextlib.suppress(EngineUnavailableError):
                 return self._pick()
             left = deadline - asyncio.get_running_loop().time()
-            if all(r.gone for r in self.replicas) or left <= 0:
+            if all(r.out for r in self.replicas) or left <= 0:
                 return None
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), left)
@@ -157,22 +176,30 @@ class ReplicaRouter(EngineClient):
             await self._set_state(r, alive=False)
             for rec in [rec for rec in self._inflight.values() if rec.replica is r]:
                 asyncio.get_running_loop().create_task(self._resume(rec))
-            if not await self._await_restart(r.replica):
-                r.gone = True
+            restarted = await self._await_restart(r.replica)
+            if restarted is not True:
+                if isinstance(restarted, str):
+                    r.error = restarted
+                else:
+                    r.gone = True
                 await self._set_state(r)
                 return
             logger.info("replica %d restarted", i)
             await self._set_state(r, alive=True, ready=True)
 
     @staticmethod
-    async def _await_restart(replica: Replica) -> bool:
-        """Wait for Ray to restart the actor (``max_restarts``); False once it is dead for good."""
+    async def _await_restart(replica: Replica) -> bool | str:
+        """Wait for Ray to restart the actor (``max_restarts``); False once it is dead for good, the model's error
+        if the restarted one cannot run its warm-up request."""
         while True:
             try:
                 await replica.actor.warmup.remote()
                 return True
             except ray.exceptions.ActorUnavailableError:  # restarting
                 await asyncio.sleep(0.5)
+            except ray.exceptions.RayTaskError as e:
+                logger.error("replica %d restarted but cannot serve: %s", replica.index, unwrap(e))
+                return str(unwrap(e))
             except ray.exceptions.RayActorError as e:
                 logger.error("replica %d is gone for good: %s", replica.index, e)
                 return False
@@ -181,11 +208,18 @@ class ReplicaRouter(EngineClient):
         outputs = []
         for item in batch:
             if isinstance(item, EngineHealth):
-                logger.log(logging.INFO if item.healthy else logging.WARNING, "replica %d %s", r.index,
-                           "serves again" if item.healthy else f"cannot serve: {item.reason}")
+                if item.failed:
+                    logger.error("replica %d failed: its model fails every step the same way: %s; it is no longer "
+                                 "routed to", r.index, item.reason)
+                    r.error = item.reason
+                else:
+                    logger.log(logging.INFO if item.healthy else logging.WARNING, "replica %d %s", r.index,
+                               "serves again" if item.healthy else f"cannot serve: {item.reason}")
                 await self._set_state(r, ready=item.healthy)
             else:
                 outputs.append(item)
+                if item.error is not None and (rec := self._inflight.get(item.request_id)) is not None:
+                    rec.error = item.error
         for out in self.processor.process(outputs):
             rec = self._inflight.get(out.request_id)
             if rec is not None:
@@ -246,7 +280,7 @@ class ReplicaRouter(EngineClient):
                 rec.seed = await rec.replica.actor.add_request.remote(self.client_id, request)
             except ray.exceptions.RayTaskError as e:
                 cause = unwrap(e)
-                if isinstance(cause, (ValueError, OverloadedError)):
+                if isinstance(cause, (ValueError, OverloadedError, EngineUnavailableError)):
                     finished = True  # nothing was queued
                     raise cause from None
                 raise EngineUnavailableError(f"model replica {i} failed: {type(cause).__name__}") from None
@@ -258,7 +292,8 @@ class ReplicaRouter(EngineClient):
                     raise item
                 if isinstance(item, RequestOutput) and any(c.finish_reason == "error" for c in item.outputs):
                     finished = True
-                    raise EngineUnavailableError("the model workers failed under this request repeatedly; retry it")
+                    raise EngineUnavailableError(f"{rec.error}; retry the request" if rec.error else
+                                                 "the model workers failed under this request repeatedly; retry it")
                 finished = item.finished
                 yield item
                 if finished:

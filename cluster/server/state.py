@@ -3,6 +3,7 @@ admission of requests (refused while loading or draining, counted so that a drai
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.engine.core_types import EngineInfo
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.errors import EngineUnavailableError, OverloadedError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,13 +39,32 @@ class ServingState:
         self.idle.set()
         # Called with the new serving status whenever it changes (the gRPC health service listens).
         self.listeners: list[Callable[[bool], Awaitable[None]]] = []
+        self._logged_serving = False
 
     @property
     def serving(self) -> bool:
         """Loaded, not draining, and the engine can take requests: what health checks report."""
         return self.engine is not None and not self.draining and self.engine.healthy
 
+    @property
+    def not_serving_reason(self) -> str:
+        """Why health says NOT_SERVING ("" while serving)."""
+        if self.draining:
+            return "draining"
+        if self.engine is None:
+            return "loading"
+        if not self.engine.healthy:
+            return f"no model replica can take requests: {self.engine.health_detail}"
+        return ""
+
     async def _notify(self) -> None:
+        if self.serving != self._logged_serving and self.engine is not None:
+            self._logged_serving = self.serving
+            if self.serving:
+                logger.info("health: SERVING")
+            else:
+                logger.log(logging.INFO if self.draining else logging.ERROR, "health: NOT_SERVING (%s)",
+                           self.not_serving_reason)
         for listener in self.listeners:
             await listener(self.serving)
 

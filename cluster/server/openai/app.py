@@ -181,8 +181,7 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
                         "draining, or no model replica can take requests."}})
     async def health() -> Response:
         if not state.serving:
-            reason = "draining" if state.draining else "loading" if state.engine is None else "no replica is up"
-            raise OpenAIError(503, f"not serving: {reason}")
+            raise OpenAIError(503, f"not serving: {state.not_serving_reason}")
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=Response,
