@@ -8,10 +8,14 @@ from pagedserve.worker.forward_context import get_attn_metadata
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = scale
+        # HF semantics: a query at position p attends keys at positions > p - sliding_window.
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         # Bound by the worker once the KV cache is allocated: [num_blocks, block_size, Hkv, D].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -23,5 +27,6 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_size)
         md.backend.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         out = md.backend.paged_attention(q, self.k_cache, self.v_cache, md.block_tables,
-                                         md.query_start_loc, md.seq_lens, self.scale)
+                                         md.query_start_loc, md.seq_lens, self.scale,
+                                         sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         return out.reshape(-1, self.num_heads * self.head_size)
