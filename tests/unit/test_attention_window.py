@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pagedserve.kernels import torch_ref
+from pagedserve.kernels import cpu_attention, cpu_extension, torch_ref
 
 # Decodes at block edges, a fresh prefill, chunks after a cached prefix (one longer than a 32-row tile).
 Q_LENS = [1, 1, 1, 1, 7, 20, 1, 45, 1, 3]
@@ -79,3 +79,22 @@ def test_torch_ref_matches_naive(window, cap, gqa):
     if window is not None:  # blocks below the window are never read
         got = torch_ref.paged_attention(*poison_below_window(case, window), sliding_window=window, logits_soft_cap=cap)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 17, 40, 1000])
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("gqa,head_size,block_size", [(1, 64, 16), (4, 32, 8)])
+def test_cpu_kernel_matches_torch_ref(dtype, window, cap, gqa, head_size, block_size):
+    if not cpu_extension.available():
+        pytest.skip("C++ kernels not built")
+    # Besides Q_LENS: a decode of 700 keys (split into parts) and a 17-row prefill (a 1-row last tile under MQA).
+    case = paged_case([*Q_LENS, 1, 17], [*CTX_LENS, 699, 30], gqa, block_size, head_size, dtype, seed=gqa + head_size)
+    if window is not None:
+        case = poison_below_window(case, window)
+    q, k, v, *rest = case
+    want = torch_ref.paged_attention(q.float(), k.float(), v.float(), *rest, sliding_window=window,
+                                     logits_soft_cap=cap)
+    got = cpu_attention.paged_attention(*case, sliding_window=window, logits_soft_cap=cap)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want, **tol)
