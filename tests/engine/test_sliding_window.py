@@ -42,3 +42,23 @@ def test_greedy_matches_hf_beyond_the_window(arch, args, model_factory):
         n = ref.index(2) + 1 if 2 in ref else len(ref)  # hf_greedy stops at EOS; we ignore it
         assert got[:n] == ref[:n], f"prompt {i} diverged from HF"
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("arch,bounded", [("mistral-swa", True), ("mistral", False)])
+def test_kv_blocks_below_the_window_are_freed(arch, bounded, model_factory):
+    """A sequence of every-layer-sliding Mistral holds ceil(window / block_size) + 1 blocks once past its prompt;
+    without a window its blocks grow with it. All are free at the end."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model_factory(arch), block_size=8))
+    bm = engine.core.scheduler.block_manager
+    engine.add_request("0", {"prompt_token_ids": random_prompts(1, seed=5, min_len=12, max_len=12)[0]},
+                       SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    used = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        used.append(bm.num_blocks - bm.num_free_blocks)
+    peak = max(used[1:-1])
+    if bounded:
+        assert peak <= -(-16 // 8) + 1
+    else:
+        assert peak >= 112 // 8
+    assert_all_blocks_free(engine)
