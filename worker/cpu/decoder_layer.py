@@ -11,7 +11,7 @@ from pagedserve.worker.forward_context import get_attn_metadata
 
 def _layer_weights(layer: nn.Module) -> cpu_layer.LayerWeights | None:
     """One layer's weights for the C++ layer, or None where it does not apply: weights not packed in panels,
-    more than one tensor-parallel rank, or sizes the kernels do not take."""
+    more than one tensor-parallel rank, sizes the kernels do not take, or a sliding window or soft-cap."""
     att, mlp = layer.self_attn, layer.mlp
     linears = [att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj]
     panels = [getattr(m, "panel_weight", None) for m in linears]
@@ -21,7 +21,8 @@ def _layer_weights(layer: nn.Module) -> cpu_layer.LayerWeights | None:
             or len({p.panels.dtype for p in panels}) != 1
             or any(w.dtype != panels[0].panels.dtype or w.shape[0] % 8 for w in norms)
             or mlp.gate_up_proj.output_size_per_partition % 16 or rope.cos.dtype != torch.float32
-            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
+            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps
+            or att.attn.sliding_window is not None or att.attn.logits_soft_cap is not None):
         return None
     biases = [m.bias.detach() if m.bias is not None else torch.empty(0) for m in linears]
     return cpu_layer.LayerWeights(
