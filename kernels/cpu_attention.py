@@ -11,9 +11,14 @@ from pagedserve.kernels import cpu_extension
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes these tensors (else the caller uses the torch reference)."""
+    """Whether the kernel takes these tensors (else the caller uses the torch reference): CPU fp32 or bf16 ``query
+    [T, Hq, D]`` with unit stride along D (``cpu_ops`` makes each token's heads contiguous), a contiguous cache
+    ``[N, bs, Hkv, D]`` of the same dtype and D, ``D % 8 == 0`` (the kernel steps 8 lanes along D), Hq a multiple
+    of Hkv; the extension built. The V cache is the K cache's twin; the index tensors are converted here."""
     return (query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.dtype == query.dtype and query.shape[-1] % 8 == 0 and query.stride(-1) == 1
+            and k_cache.dtype == query.dtype and query.dim() == 3 and k_cache.dim() == 4
+            and query.shape[2] % 8 == 0 and k_cache.shape[3] == query.shape[2]
+            and query.shape[1] % k_cache.shape[2] == 0 and query.stride(-1) == 1 and k_cache.is_contiguous()
             and cpu_extension.available())
 
 

@@ -24,6 +24,15 @@ def supported(md, k_cache: torch.Tensor, x: torch.Tensor) -> bool:
         and x.device.type == "cpu"
 
 
+def takes(num_heads: int, num_kv_heads: int, head_size: int, rotary_dim: int) -> bool:
+    """Whether :func:`llama_layer` takes a layer of these sizes: the preconditions its kernels put on them, the
+    attention's ``head_size % 8 == 0`` and ``num_heads % num_kv_heads == 0`` and the rotary's even ``rotary_dim <=
+    head_size``. Hidden and intermediate sizes may be anything (the norms and SiLU-and-mul have scalar tails; the
+    GEMMs, panels of any width); bf16 panels exist only for an even K (``cpu_gemm_bf16.packable``)."""
+    return (head_size % 8 == 0 and num_kv_heads > 0 and num_heads % num_kv_heads == 0 and rotary_dim % 2 == 0
+            and 0 <= rotary_dim <= head_size)
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     """What :func:`llama_layer` reads of one decoder layer, gathered once (the KV cache is bound later)."""

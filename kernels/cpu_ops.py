@@ -6,8 +6,7 @@ from pagedserve.kernels.torch_ref import copy_blocks, swap_blocks  # noqa: F401
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
-    if key.dtype == k_cache.dtype and cpu_fused.usable(key, value, k_cache) and key.stride(1) == key.shape[2] \
-            and value.stride(1) == value.shape[2]:
+    if cpu_fused.reshape_and_cache_supported(key, value, k_cache, v_cache):
         return cpu_fused.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping.long())
     return torch_ref.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 

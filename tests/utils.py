@@ -65,6 +65,13 @@ def _base(arch: str) -> tuple[str, dict]:
                                             word_embed_proj_dim=32, do_layer_norm_before=False, init_std=0.15)),
         "mistral-swa": ("MistralConfig", dict(llama, sliding_window=16)),
         "qwen2-swa": ("Qwen2Config", dict(llama, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+        # Odd sizes (tests/engine/test_odd_shapes.py): hidden, intermediate and head sizes off the vector widths.
+        "llama-odd-h72": ("LlamaConfig", dict(llama, hidden_size=72, intermediate_size=150, num_attention_heads=6,
+                                               num_key_value_heads=2)),  # head_dim 12, GQA 3
+        "llama-odd-hd80": ("LlamaConfig", dict(llama, hidden_size=90, intermediate_size=200, num_attention_heads=6,
+                                                num_key_value_heads=6, head_dim=80)),  # TP 2: 100 columns a rank
+        "llama-odd-hd96": ("LlamaConfig", dict(llama, hidden_size=78, intermediate_size=300, num_attention_heads=6,
+                                                num_key_value_heads=3, head_dim=96)),  # TP 3: 100 a rank, GQA 2
     }
     return table[arch]
 

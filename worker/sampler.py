@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels import cpu_extension, cpu_fused, torch_ref
+from pagedserve.kernels import cpu_fused, torch_ref
 
 _MASK32 = 0xFFFFFFFF
 
@@ -100,13 +100,13 @@ def _filter(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """See ``torch_ref.apply_token_bitmask``; the C++ kernel for fp32 CPU logits."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_extension.available():
+    if cpu_fused.apply_token_bitmask_supported(logits, rows, bitmask):
         return cpu_fused.apply_token_bitmask(logits, rows, bitmask)
     return torch_ref.apply_token_bitmask(logits, rows, bitmask)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    if logits.device.type == "cpu" and logits.stride(1) == 1 and logits.shape[1] and cpu_extension.available():
+    if cpu_fused.argmax_supported(logits):
         return cpu_fused.argmax(logits)
     return logits.argmax(dim=1)
 

@@ -33,13 +33,22 @@ void rms_rows(T* x, T* residual, const T* w, T* out, int64_t rows, int64_t H, in
       }
       float sum = 0.f;
       for (int i = 0; i < 16; ++i) sum += ss[i];
-      if (d < H) {  // H % 16 == 8
+      if (d + 8 <= H) {
         f32x8 v = load8(xr + d);
         if (residual != nullptr) {
           store8(rr + d, v + load8(rr + d));
           v = load8(rr + d);
         }
         sum += hsum(v * v);
+        d += 8;
+      }
+      for (; d < H; ++d) {  // H % 8 != 0 (a tensor-parallel shard of an odd size)
+        float v = load1(xr + d);
+        if (residual != nullptr) {
+          store1(rr + d, v + load1(rr + d));
+          v = load1(rr + d);
+        }
+        sum += v * v;
       }
       const float inv = 1.f / std::sqrt(sum / float(H) + eps);
       T* o = out + r * os;
@@ -48,10 +57,16 @@ void rms_rows(T* x, T* residual, const T* w, T* out, int64_t rows, int64_t H, in
         store16(tmp, load16(rr + d) * inv);  // Hugging Face rounds here when the model is bf16
         store16(o + d, load16(tmp) * load16(w + d));
       }
-      if (d < H) {
+      if (d + 8 <= H) {
         T tmp[8];
         store8(tmp, load8(rr + d) * inv);
         store8(o + d, load8(tmp) * load8(w + d));
+        d += 8;
+      }
+      for (; d < H; ++d) {
+        T tmp;
+        store1(&tmp, load1(rr + d) * inv);
+        store1(o + d, load1(&tmp) * load1(w + d));
       }
     }
   });
@@ -60,10 +75,11 @@ void rms_rows(T* x, T* residual, const T* w, T* out, int64_t rows, int64_t H, in
 void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor out) {
   const int64_t H = x.size(-1);
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "rows of [T, H]");
-  TORCH_CHECK(H % 8 == 0 && x.stride(-1) == 1 && out.stride(-1) == 1 && weight.is_contiguous());
+  TORCH_CHECK(x.stride(-1) == 1 && out.stride(-1) == 1 && weight.is_contiguous() && weight.numel() == H);
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == H);
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() && out.scalar_type() == x.scalar_type());
   PS_DISPATCH(x.scalar_type(), [&] {
-    rms_rows<scalar>(mut_ptr<scalar>(x), nullptr, ptr<scalar>(weight), mut_ptr<scalar>(out), x.numel() / H, H,
+    rms_rows<scalar>(mut_ptr<scalar>(x), nullptr, ptr<scalar>(weight), mut_ptr<scalar>(out), x.size(0), H,
                      x.stride(0), 0, out.stride(0), float(eps));
   });
 }
@@ -71,19 +87,20 @@ void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor o
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   const int64_t H = x.size(-1);
   TORCH_CHECK(x.dim() == 2 && residual.dim() == 2, "rows of [T, H]");
-  TORCH_CHECK(H % 8 == 0 && x.stride(-1) == 1 && residual.stride(-1) == 1 && weight.is_contiguous());
+  TORCH_CHECK(x.stride(-1) == 1 && residual.stride(-1) == 1 && weight.is_contiguous() && weight.numel() == H);
+  TORCH_CHECK(residual.size(0) == x.size(0) && residual.size(1) == H);
   TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type());
   PS_DISPATCH(x.scalar_type(), [&] {
     rms_rows<scalar>(mut_ptr<scalar>(x), mut_ptr<scalar>(residual), ptr<scalar>(weight), mut_ptr<scalar>(x),
-                     x.numel() / H, H, x.stride(0), residual.stride(0), x.stride(0), float(eps));
+                     x.size(0), H, x.stride(0), residual.stride(0), x.stride(0), float(eps));
   });
 }
 
 // out[r] = silu(x[r, :I]) * x[r, I:]
 void silu_and_mul(torch::Tensor x, torch::Tensor out) {
-  const int64_t I = out.size(-1), rows = out.numel() / I;
+  const int64_t I = out.size(-1), rows = out.size(0);
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "rows of [T, 2I] -> [T, I]");
-  TORCH_CHECK(I % 8 == 0 && x.size(-1) == 2 * I && x.stride(-1) == 1 && out.is_contiguous());
+  TORCH_CHECK(x.size(-1) == 2 * I && x.size(0) == out.size(0) && x.stride(-1) == 1 && out.is_contiguous());
   TORCH_CHECK(x.scalar_type() == out.scalar_type());
   const int64_t xs = x.stride(0);
   PS_DISPATCH(x.scalar_type(), [&] {
@@ -96,9 +113,14 @@ void silu_and_mul(torch::Tensor x, torch::Tensor out) {
           const f32x16 g = load16(in + r * xs + d), u = load16(in + r * xs + I + d);
           store16(o + r * I + d, g / (1.f + exp16v(-g)) * u);
         }
-        if (d < I) {  // I % 16 == 8
+        if (d + 8 <= I) {
           const f32x8 g = load8(in + r * xs + d), u = load8(in + r * xs + I + d);
           store8(o + r * I + d, g / (1.f + exp8(-g)) * u);
+          d += 8;
+        }
+        for (; d < I; ++d) {  // I % 8 != 0 (a tensor-parallel shard of an odd size)
+          const float g = load1(in + r * xs + d), u = load1(in + r * xs + I + d);
+          store1(o + r * I + d, g / (1.f + std::exp(-g)) * u);
         }
       }
     });

@@ -11,16 +11,17 @@ from pagedserve.worker.forward_context import get_attn_metadata
 
 def _layer_weights(layer: nn.Module) -> cpu_layer.LayerWeights | None:
     """One layer's weights for the C++ layer, or None where it does not apply: weights not packed in panels,
-    more than one tensor-parallel rank, sizes the kernels do not take, or a sliding window or soft-cap."""
+    more than one tensor-parallel rank, sizes the kernels do not take (``cpu_layer.takes``), or a sliding window
+    or soft-cap."""
     att, mlp = layer.self_attn, layer.mlp
     linears = [att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj]
     panels = [getattr(m, "panel_weight", None) for m in linears]
     rope, qkv = att.rotary_emb, att.qkv_proj
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    if (any(p is None for p in panels) or att.o_proj.tp_size != 1 or qkv.head_size % 8
-            or len({p.panels.dtype for p in panels}) != 1
-            or any(w.dtype != panels[0].panels.dtype or w.shape[0] % 8 for w in norms)
-            or mlp.gate_up_proj.output_size_per_partition % 16 or rope.cos.dtype != torch.float32
+    if (any(p is None for p in panels) or att.o_proj.tp_size != 1
+            or not cpu_layer.takes(qkv.num_heads, qkv.num_kv_heads, qkv.head_size, rope.rotary_dim)
+            or len({p.panels.dtype for p in panels}) != 1 or any(w.dtype != panels[0].panels.dtype for w in norms)
+            or rope.cos.dtype != torch.float32
             or layer.input_layernorm.eps != layer.post_attention_layernorm.eps
             or att.attn.sliding_window is not None or att.attn.logits_soft_cap is not None):
         return None

@@ -9,7 +9,7 @@ from pagedserve.kernels import cpu_fused
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and cpu_fused.usable(x):  # one C++ pass, no gate/up temporaries
+        if cpu_fused.silu_and_mul_supported(x):  # one C++ pass, no gate/up temporaries
             return cpu_fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -25,10 +25,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        fused = x.dim() == 2 and x.dtype == self.weight.dtype and cpu_fused.usable(x, self.weight)
         if residual is None:
-            return cpu_fused.rms_norm(x, self.weight, self.eps) if fused else self._norm(x)
-        if fused and residual.dtype == x.dtype and residual.stride(-1) == 1:
+            return cpu_fused.rms_norm(x, self.weight, self.eps) if cpu_fused.rms_norm_supported(x, self.weight) \
+                else self._norm(x)
+        if cpu_fused.rms_norm_supported(x, self.weight, residual):
             cpu_fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual
         x = x + residual

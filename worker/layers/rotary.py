@@ -52,9 +52,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D]; on CPU (fp32, bf16) rotated in place by one C++ pass and returned."""
-        if (q.dtype == k.dtype and self.cos.dtype == torch.float32 and q.dim() == 3 and k.dim() == 3
-                and cpu_fused.usable(q, k)):
-            cpu_fused.rotary(positions.long().contiguous(), q, k, self.cos, self.sin, self.rotary_dim)
+        positions = positions.long().contiguous()
+        if cpu_fused.rotary_supported(positions, q, k, self.cos, self.sin, self.rotary_dim):
+            cpu_fused.rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)
             return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
