@@ -64,12 +64,16 @@ def _base(arch: str) -> tuple[str, dict]:
                                             num_attention_heads=4, max_position_embeddings=256,
                                             word_embed_proj_dim=32, do_layer_norm_before=False, init_std=0.15)),
         "qwen3": ("Qwen3Config", dict(llama, head_dim=32, use_sliding_window=False)),
+        # Every prompt is longer than original_max_position_embeddings: long factors and the attention factor.
+        "phi3": ("Phi3Config", dict(llama, sliding_window=None, original_max_position_embeddings=2, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
     }
     return table[arch]
 
 
 ARCHS = ["llama", "llama-mha-tied", "llama-rope-linear", "llama-rope-llama3", "mistral", "qwen2", "gpt2",
-         "gpt_neox", "gpt_neox-seq", "opt", "opt-350m-like", "qwen3"]
+         "gpt_neox", "gpt_neox-seq", "opt", "opt-350m-like", "qwen3", "phi3"]
 
 
 def make_model(path: str, arch: str, seed: int = 0, tokenizer_dir: str | None = None, **overrides) -> str:
