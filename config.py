@@ -46,6 +46,7 @@ class CacheConfig:
     enable_block_sharing: bool  # False: forks copy all blocks (the no-sharing baseline)
     num_blocks: int = 0  # resolved from the workers' memory
     num_cpu_blocks: int = 0
+    sliding_window: int | None = None  # set when every layer slides: KV blocks below the window are freed
 
 
 @dataclass

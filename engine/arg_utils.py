@@ -20,6 +20,7 @@ from pagedserve.config import (
 )
 from pagedserve.engine.model_config import check_tensor_parallel, load_model_config
 from pagedserve.kernels import BACKENDS, default_backend
+from pagedserve.worker.layers.attention import kv_sliding_window
 from pagedserve.worker.models.registry import check_architecture
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -136,7 +137,8 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space,
-                enable_block_sharing=self.enable_block_sharing),
+                enable_block_sharing=self.enable_block_sharing,
+                sliding_window=kv_sliding_window(model_config.hf_config)),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode),

@@ -66,10 +66,6 @@ def _resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
 def _derive_max_model_len(hf_config) -> int:
     limits = [getattr(hf_config, k) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
               if isinstance(getattr(hf_config, k, None), int)]
-    # We do not implement sliding-window attention, so stay within the window where it is set.
-    window = getattr(hf_config, "sliding_window", None)
-    if isinstance(window, int) and getattr(hf_config, "use_sliding_window", True):
-        limits.append(window)
     return min(limits) if limits else 2048
 
 

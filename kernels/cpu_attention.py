@@ -19,12 +19,13 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, *, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Same arguments and result as :func:`pagedserve.kernels.torch_ref.paged_attention`."""
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
     cpu_extension.load().paged_attention(query, k_cache, v_cache, _int32(block_tables), _int32(query_start_loc),
-                                         _int32(seq_lens), scale, out)
+                                         _int32(seq_lens), scale, out, sliding_window or 0, logits_soft_cap or 0.0)
     return out
 
 

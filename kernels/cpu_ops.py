@@ -12,10 +12,13 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
     return torch_ref.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None):
+def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None, *,
+                    sliding_window=None, logits_soft_cap=None):
     if cpu_attention.supports(query, k_cache):
         if query.stride(1) != query.shape[2]:
             query = query.contiguous()
         return cpu_attention.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                             scale, out)
-    return torch_ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
+                                             scale, out, sliding_window=sliding_window,
+                                             logits_soft_cap=logits_soft_cap)
+    return torch_ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
+                                     sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)

@@ -7,7 +7,8 @@ A packed batch holds ``B`` sequences; sequence ``b`` owns query rows
 ``query_start_loc[b]:query_start_loc[b+1]`` and has ``seq_lens[b]`` tokens of context in total
 (cached prefix + the new tokens of this step, whose K/V are already written to the cache).
 Query row ``i`` of sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and attends to
-keys ``0..that position`` (causal inside the chunk, full over the cached prefix).
+keys ``0..that position`` (causal inside the chunk, full over the cached prefix), or with a sliding window ``W``
+only the last ``W`` of them (positions ``> position - W``, Hugging Face's convention for every family).
 """
 from __future__ import annotations
 
@@ -38,39 +39,63 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     return rows.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [q_len, Hq, D]; k, v [kv_len, Hkv, D]; causal, the queries being the last q_len positions."""
-    q_len, kv_len = q.shape[0], k.shape[0]
-    gqa = q.shape[1] // k.shape[1]
-    if gqa > 1:
-        k = k.repeat_interleave(gqa, dim=1)
-        v = v.repeat_interleave(gqa, dim=1)
+def first_key(pos, sliding_window: int | None):
+    """The lowest key position a query at ``pos`` (an int or a tensor of them) attends: HF's
+    ``kv_idx > q_idx - sliding_window``."""
+    if sliding_window is None:
+        return pos * 0
+    lo = pos - sliding_window + 1
+    return lo.clamp(min=0) if isinstance(lo, torch.Tensor) else max(0, lo)
+
+
+def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                       logits_soft_cap: float | None) -> torch.Tensor:
+    """q [..., Hq, M, D]; k, v [..., Hkv, N, D]; mask (True = attend) broadcasts to [..., Hq, M, N]."""
+    if logits_soft_cap is None:
+        gqa = q.shape[-3] != k.shape[-3]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    gqa = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(gqa, dim=-3), v.repeat_interleave(gqa, dim=-3)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(v.dtype) @ v
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int, k_start: int,
+            sliding_window: int | None, logits_soft_cap: float | None) -> torch.Tensor:
+    """q [q_len, Hq, D] at positions ``q_start..``; k, v [kv_len, Hkv, D] at positions ``k_start..``."""
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if q_len == kv_len:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
-    else:
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    if q_start == k_start == 0 and sliding_window is None and logits_soft_cap is None:
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa).transpose(0, 1)
+    q_pos = torch.arange(q_start, q_start + q.shape[0], device=q.device)[:, None]
+    k_pos = torch.arange(k_start, k_start + k.shape[0], device=q.device)[None, :]
+    mask = (k_pos <= q_pos) & (k_pos >= first_key(q_pos, sliding_window))
+    return _softmax_attention(qt, kt, vt, mask, scale, logits_soft_cap).transpose(0, 1)
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query row per sequence. Rows with the same number of blocks attend as one padded batch,
-    so padding stays under one block per row while Python work is per group, not per sequence."""
-    _, hq, d = q.shape
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                      logits_soft_cap: float | None) -> torch.Tensor:
+    """One query row per sequence, at position ``seq_len - 1``. Each row reads its blocks from the one holding its
+    first key; rows spanning the same number of blocks attend as one padded batch, so padding stays under one
+    block per row while Python work is per group, not per sequence."""
+    d = q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
-    num_blocks = (seq_lens + bs - 1) // bs
+    lo = first_key(seq_lens - 1, sliding_window)  # first key position per row
+    first_block = lo // bs
+    num_blocks = (seq_lens + bs - 1) // bs - first_block
     for nb in torch.unique(num_blocks).tolist():
         rows = (num_blocks == nb).nonzero().squeeze(1)
-        bt = block_tables[rows, :nb].long()
+        cols = first_block[rows][:, None] + torch.arange(nb, device=q.device)
+        bt = block_tables[rows].gather(1, cols.to(block_tables.dtype)).long()
         k = k_cache[bt].view(len(rows), nb * bs, hkv, d).transpose(1, 2).to(q.dtype)
         v = v_cache[bt].view(len(rows), nb * bs, hkv, d).transpose(1, 2).to(q.dtype)
-        mask = torch.arange(nb * bs, device=q.device)[None, :] < seq_lens[rows][:, None]
-        o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                           scale=scale, enable_gqa=hq != hkv)
+        pos = (first_block[rows] * bs)[:, None] + torch.arange(nb * bs, device=q.device)
+        mask = (pos < seq_lens[rows][:, None]) & (pos >= lo[rows][:, None])
+        o = _softmax_attention(q[rows].unsqueeze(2), k, v, mask[:, None, None, :], scale, logits_soft_cap)
         out[rows] = o.squeeze(2)
     return out
 
@@ -84,9 +109,11 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int
     scale: float,
     out: torch.Tensor | None = None,
-    decode_fn=None,
+    *,
+    sliding_window: int | None = None,  # a query at position p attends keys at positions > p - sliding_window
+    logits_soft_cap: float | None = None,  # scores = cap * tanh(scores / cap) before the softmax
 ) -> torch.Tensor:
-    """``decode_fn`` (same arguments as ``_decode_attention``) lets a backend replace the decode rows."""
+    """Block-table entries wholly below a row's window are never read (they may point at freed blocks)."""
     if out is None:
         out = torch.empty_like(query)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -94,15 +121,19 @@ def paged_attention(
     if bool(decode.any()):
         rows = decode.nonzero().squeeze(1)
         tokens = query_start_loc[:-1][rows].long()
-        out[tokens] = (decode_fn or _decode_attention)(query[tokens], k_cache, v_cache, block_tables[rows],
-                                                      seq_lens[rows], scale)
+        out[tokens] = _decode_attention(query[tokens], k_cache, v_cache, block_tables[rows], seq_lens[rows].long(),
+                                        scale, sliding_window, logits_soft_cap)
+    bs = k_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for b in (query_lens > 1).nonzero().squeeze(1).tolist():
         s, e = starts[b], starts[b + 1]
-        k = gather_kv(k_cache, block_tables[b], lens[b])
-        v = gather_kv(v_cache, block_tables[b], lens[b])
-        out[s:e] = _attend(query[s:e], k.to(query.dtype), v.to(query.dtype), scale)
+        q_start = lens[b] - (e - s)
+        k_start = first_key(q_start, sliding_window) // bs * bs
+        k = gather_kv(k_cache, block_tables[b, k_start // bs:], lens[b] - k_start)
+        v = gather_kv(v_cache, block_tables[b, k_start // bs:], lens[b] - k_start)
+        out[s:e] = _attend(query[s:e], k.to(query.dtype), v.to(query.dtype), scale, q_start, k_start,
+                           sliding_window, logits_soft_cap)
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import triton_attention, triton_cache
+from pagedserve.kernels import torch_ref, triton_attention, triton_cache
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -67,7 +67,13 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
+    if sliding_window is not None or logits_soft_cap is not None:
+        return torch_ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                         out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     _check_cache_pair(k_cache, v_cache)
     _check(query.dim() == 3, "query must be [T, Hq, D]")
     _check(query.dtype in _FLOAT_DTYPES, f"unsupported query dtype {query.dtype}")

@@ -10,6 +10,10 @@ parent's (and to the request's ``cache_salt``). A lookup also checks the block's
 its parent is the very cache entry matched one level up, so even a hash collision can never serve
 wrong KV. Unreferenced cached blocks wait in an LRU evictor and are reclaimed only when no plain
 free block is left.
+
+Sliding window: where every layer of the model slides (``sliding_window`` set), the blocks wholly below the window
+of a sequence's next query are released as it grows; their table entries become ``NULL_BLOCK`` (kept so that
+token ``i`` stays in entry ``i // block_size``), which the attention kernels never read.
 """
 from __future__ import annotations
 
@@ -21,6 +25,11 @@ from pagedserve.scheduler.free_runs import FreeRuns
 from pagedserve.scheduler.request import Sequence
 
 BlockHash = bytes
+NULL_BLOCK = -1  # a released table entry below the sliding window
+
+
+def _live(blocks: list[int]) -> list[int]:
+    return [b for b in blocks if b != NULL_BLOCK]
 
 
 def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], salt: str | None) -> BlockHash:
@@ -115,8 +124,9 @@ class BlockManager:
     What the workers already hold of a table is the scheduler's business, not this class's."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, num_cpu_blocks: int = 0,
-                 share_blocks: bool = True, watermark: float = 0.01) -> None:
+                 share_blocks: bool = True, watermark: float = 0.01, sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         # share_blocks=False is the no-sharing baseline: a forked sequence copies every shared block.
         self.share_blocks = share_blocks
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -164,7 +174,7 @@ class BlockManager:
         (or, without sharing, every shared block)."""
         ref = self.pool.ref_cnt
         if not self.share_blocks:
-            return [i for i, b in enumerate(seq.block_table) if ref[b] > 1]
+            return [i for i, b in enumerate(seq.block_table) if b != NULL_BLOCK and ref[b] > 1]
         i = seq.num_computed_tokens // self.block_size
         return [i] if num_new_tokens > 0 and i < len(seq.block_table) and ref[seq.block_table[i]] > 1 else []
 
@@ -174,6 +184,7 @@ class BlockManager:
 
         A shared block about to be written is replaced by a private copy, recorded in ``blocks_to_copy``.
         """
+        self.release_below_window(seq)
         cow = self._cow_targets(seq, num_new_tokens)
         need = self._blocks_to_grow(seq, num_new_tokens)  # copies keep the table's length
         if need + len(cow) > self.pool.num_free:
@@ -191,52 +202,66 @@ class BlockManager:
             seq.block_table.extend(self.pool.allocate(need, seq.block_table[-1] if seq.block_table else None))
         return True
 
+    def release_below_window(self, seq: Sequence) -> None:
+        """Release the blocks wholly below the sliding window of the sequence's next query (at position
+        ``num_computed_tokens``): keys at positions < num_computed_tokens - window + 1 are never read again."""
+        if self.sliding_window is None or seq.seq_id in self._swapped:
+            return
+        below = min(max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size,
+                    len(seq.block_table))
+        released = _live(seq.block_table[:below])
+        if released:
+            self.pool.decref(released)  # a shared prefix's block is only dereferenced
+            seq.block_table[:below] = [NULL_BLOCK] * below
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
-        self.pool.incref(child.block_table)
+        self.pool.incref(_live(child.block_table))
 
     def trim(self, seq: Sequence) -> None:
         """Release the tail blocks past the sequence's computed tokens (the KV of drafts it did not accept)."""
         keep = -(-seq.num_computed_tokens // self.block_size)
         tail = seq.block_table[keep:]
         if tail:
-            self.pool.decref(tail[::-1])
+            self.pool.decref(_live(tail[::-1]))
             del seq.block_table[keep:]
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, in whichever pool they are."""
         if seq.seq_id in self._swapped:
             self._swapped.discard(seq.seq_id)
-            self.cpu_pool.decref(seq.block_table)
+            self.cpu_pool.decref(_live(seq.block_table))
         else:
             # Tail blocks first, so the evictor reclaims a prefix's tail before its head.
-            self.pool.decref(seq.block_table[::-1])
+            self.pool.decref(_live(seq.block_table[::-1]))
         seq.block_table = []
 
     # ---- swap space --------------------------------------------------------------------------
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
         """Move a request's blocks to the CPU pool, keeping what its sequences share shared: the (device block,
         CPU block) pairs to copy, or None (and no change) if the CPU pool is too small."""
-        distinct = sorted({b for s in seqs for b in s.block_table})
+        distinct = sorted({b for s in seqs for b in _live(s.block_table)})
         if len(distinct) > self.cpu_pool.num_free:
             return None
         mapping = dict(zip(distinct, self.cpu_pool.allocate(len(distinct))))
+        mapping[NULL_BLOCK] = NULL_BLOCK
         for seq in seqs:
             cpu_table = [mapping[b] for b in seq.block_table]
             self.free(seq)
             seq.block_table = cpu_table
             self._swapped.add(seq.seq_id)
         # Each CPU block starts with one reference; add the others (blocks shared inside the request).
-        refs = [b for s in seqs for b in s.block_table]
+        refs = [b for s in seqs for b in _live(s.block_table)]
         for b in set(refs):
             self.cpu_pool.incref([b] * (refs.count(b) - 1))
+        del mapping[NULL_BLOCK]
         return list(mapping.items())
 
     def swap_in(self, seqs: list[Sequence], num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Bring a swapped request back if its blocks and each sequence's next ``num_new_tokens`` fit: the (CPU
         block, device block) pairs to copy, or None (and no change)."""
-        refs = Counter(b for s in seqs for b in s.block_table)
+        refs = Counter(b for s in seqs for b in _live(s.block_table))
         # Shared CPU blocks come back shared; without sharing, every sequence gets its own copies.
         restore = sorted(refs) if self.share_blocks else list(refs.elements())
         bs = self.block_size
@@ -245,7 +270,7 @@ class BlockManager:
             n = min(num_new_tokens, s.num_pending_tokens)
             grow += max(0, -(-(s.num_computed_tokens + n) // bs) - len(s.block_table))
             i = s.num_computed_tokens // bs
-            if n > 0 and i < len(s.block_table):
+            if n > 0 and i < len(s.block_table) and s.block_table[i] != NULL_BLOCK:
                 writers[s.block_table[i]] += 1
         # A block that comes back shared is copied when written, except by its last holder.
         copies = sum(min(w, refs[c] - 1) for c, w in writers.items()) if self.share_blocks else 0
@@ -257,15 +282,18 @@ class BlockManager:
             for c in restore:
                 self.pool.incref([mapping[c]] * (refs[c] - 1))
             pairs = list(mapping.items())
+            mapping[NULL_BLOCK] = NULL_BLOCK
         for seq in seqs:
-            self.cpu_pool.decref(seq.block_table)
+            live = _live(seq.block_table)
+            self.cpu_pool.decref(live)
             self._swapped.discard(seq.seq_id)
             if self.share_blocks:
                 seq.block_table = [mapping[c] for c in seq.block_table]
             else:
-                new = self.pool.allocate(len(seq.block_table))
-                pairs += zip(seq.block_table, new)
-                seq.block_table = new
+                new = self.pool.allocate(len(live))
+                pairs += zip(live, new)
+                fresh = iter(new)
+                seq.block_table = [b if b == NULL_BLOCK else next(fresh) for b in seq.block_table]
         return pairs
 
     # ---- prefix caching ----------------------------------------------------------------------
@@ -302,7 +330,7 @@ class BlockManager:
             parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
             # Chain only onto this sequence's own cached parent: its entry holds exactly our prefix.
             parent = self.pool.info.get(seq.block_table[i - 1]) if i else None
-            if i and (parent is None or parent.block_hash != parent_hash):
+            if (i and (parent is None or parent.block_hash != parent_hash)) or seq.block_table[i] == NULL_BLOCK:
                 return
             toks = tuple(seq.token_ids[i * bs: (i + 1) * bs])
             h = hash_block(parent_hash, toks, salt)

@@ -16,7 +16,7 @@ from collections import deque
 from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.outputs import EngineCoreOutput
 from pagedserve.scheduler.beam import BeamSearcher
-from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.block_manager import NULL_BLOCK, BlockManager
 from pagedserve.scheduler.output import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
 from pagedserve.scheduler.request import FINISH_REASONS, Request, RequestStatus, Sequence, child_seed
 from pagedserve.scheduler.spec_decode import propose_ngram
@@ -36,7 +36,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching, cache_config.num_cpu_blocks,
-                                          cache_config.enable_block_sharing)
+                                          cache_config.enable_block_sharing,
+                                          sliding_window=cache_config.sliding_window)
         self.waiting: deque[Request] = deque()
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival_index
@@ -387,7 +388,7 @@ class Scheduler:
                 tokens = sum(min(len(s.block_table) * bs, s.num_computed_tokens) for s in seqs)
             else:  # distinct blocks and the tokens they hold: a block shared by forks counts once
                 tokens = sum({b: min(bs, s.num_computed_tokens - i * bs)
-                              for s in seqs for i, b in enumerate(s.block_table)}.values())
+                              for s in seqs for i, b in enumerate(s.block_table) if b != NULL_BLOCK}.values())
             st.waste_sum += max(0.0, 1.0 - tokens / (used * bs))
 
     # ---- results -----------------------------------------------------------------------------

@@ -63,6 +63,8 @@ def _base(arch: str) -> tuple[str, dict]:
         "opt-350m-like": ("OPTConfig", dict(common, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                                             num_attention_heads=4, max_position_embeddings=256,
                                             word_embed_proj_dim=32, do_layer_norm_before=False, init_std=0.15)),
+        "mistral-swa": ("MistralConfig", dict(llama, sliding_window=16)),
+        "qwen2-swa": ("Qwen2Config", dict(llama, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
         "qwen3": ("Qwen3Config", dict(llama, head_dim=32, use_sliding_window=False)),
         # Every prompt is longer than original_max_position_embeddings: long factors and the attention factor.
         "phi3": ("Phi3Config", dict(llama, sliding_window=None, original_max_position_embeddings=2, rope_scaling={

@@ -91,7 +91,9 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
   const int64_t nr = it.r1 - it.r0, nh = it.h1 - it.h0, G = sh.G, D = sh.D;
   const int64_t nq = nr * nh * G;               // query vectors, ordered (row, KV head, group member)
   const bool part = it.parts > 1;               // keys [k0, k1) of a decode row (one row, every head)
-  const int64_t k0 = part ? it.k0 : 0;
+  // Row i (position lag + i) sees keys [max(first_key(lag + i), k0), min(lag + i + 1, L)).
+  const int64_t lag = it.ctx0 + it.r0;
+  const int64_t k0 = part ? it.k0 : sh.first_key(lag);
   const int64_t L = part ? it.k1 : it.ctx0 + it.r1;  // keys the tile's last row attends to
   const int64_t Lp = (L - k0 + kChunk - 1) / kChunk * kChunk;
   qf.resize(nq * D);
@@ -108,13 +110,15 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
         float* dst = qf.data() + ((i * nh + hh) * G + g) * D;
         for (int64_t d = 0; d < D; d += 8) store8(dst + d, load8(src + d) * sh.scale);
       }
-  // Row i (position ctx0 + r0 + i) sees keys 0 .. lag + i: a chunk starting at t0 matters to rows i >= t0 - lag.
-  const int64_t lag = it.ctx0 + it.r0;
+  // A chunk of keys [t0, t0 + 8) matters to rows i >= t0 - lag and, under a window, i < t0 + 8 + window - 1 - lag.
+  auto rows_end = [&](int64_t t0) {
+    return sh.window > 0 ? std::min<int64_t>(nr, t0 + kChunk + sh.window - 1 - lag) : nr;
+  };
   const T* rows[kChunk];
   const T* hr[kChunk];
   for (int64_t t0 = k0; t0 < L; t0 += kChunk) {
     chunk_rows(kc, table, t0, L, sh, zero.data(), rows);
-    for (int64_t i = std::max<int64_t>(0, t0 - lag); i < nr; ++i)
+    for (int64_t i = std::max<int64_t>(0, t0 - lag), ie = rows_end(t0); i < ie; ++i)
       for (int64_t hh = 0; hh < nh; ++hh) {
         for (int j = 0; j < kChunk; ++j) hr[j] = rows[j] + (it.h0 + hh) * D;
         const int64_t base = (i * nh + hh) * G;
@@ -122,15 +126,20 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
           dot8(qf.data() + (base + g) * D, hr, D, S.data() + (base + g) * Lp + t0 - k0);
       }
   }
-  for (int64_t i = 0; i < nr; ++i)
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t lo = std::max(sh.first_key(lag + i), k0) - k0, hi = std::min(lag + i + 1, L) - k0;
     for (int64_t j = 0; j < nh * G; ++j) {
-      const int64_t qi = i * nh * G + j, n = part ? L - k0 : lag + i + 1;
-      sums[qi] = softmax_unnormalized(S.data() + qi * Lp, n, &top[qi]);
-      std::fill(S.data() + qi * Lp + n, S.data() + (qi + 1) * Lp, 0.f);  // keys past the row's position
+      float* s = S.data() + (i * nh * G + j) * Lp;
+      if (sh.soft_cap > 0.f)
+        for (int64_t t = lo; t < hi; ++t) s[t] = sh.soft_cap * std::tanh(s[t] / sh.soft_cap);
+      sums[i * nh * G + j] = softmax_unnormalized(s + lo, hi - lo, &top[i * nh * G + j]);
+      std::fill(s, s + lo, 0.f);  // keys below the row's window
+      std::fill(s + hi, s + Lp, 0.f);  // keys past the row's position
     }
+  }
   for (int64_t t0 = k0; t0 < L; t0 += kChunk) {
     chunk_rows(vc, table, t0, L, sh, zero.data(), rows);
-    for (int64_t i = std::max<int64_t>(0, t0 - lag); i < nr; ++i)
+    for (int64_t i = std::max<int64_t>(0, t0 - lag), ie = rows_end(t0); i < ie; ++i)
       for (int64_t hh = 0; hh < nh; ++hh) {
         for (int j = 0; j < kChunk; ++j) hr[j] = rows[j] + (it.h0 + hh) * D;
         const int64_t base = (i * nh + hh) * G;
@@ -176,12 +185,13 @@ std::vector<AttnItem> plan(const int32_t* qsl, const int32_t* sl, int64_t B, con
   for (int64_t b = 0; b < B; ++b) {
     const int64_t first = qsl[b], n = qsl[b + 1] - qsl[b], ctx0 = sl[b] - n;
     if (n <= 0) continue;
-    if (n == 1 && part_keys > 0 && sl[b] > part_keys) {
+    const int64_t lo = sh.first_key(ctx0), nk = sl[b] - lo;  // a decode row's keys: [lo, sl[b])
+    if (n == 1 && part_keys > 0 && nk > part_keys) {
       // Near-equal parts of whole 16-key groups (600 keys: 304 + 296, not 512 + 88).
-      const int64_t parts = (sl[b] + part_keys - 1) / part_keys, keys = (sl[b] + 16 * parts - 1) / (16 * parts) * 16;
+      const int64_t parts = (nk + part_keys - 1) / part_keys, keys = (nk + 16 * parts - 1) / (16 * parts) * 16;
       for (int64_t p = 0; p < parts; ++p) {
         AttnItem it{b, first, ctx0, 0, 1, 0, sh.Hkv, 0.0};
-        it.k0 = p * keys; it.k1 = std::min<int64_t>(sl[b], it.k0 + keys);
+        it.k0 = lo + p * keys; it.k1 = std::min<int64_t>(sl[b], it.k0 + keys);
         it.cost = double(it.k1 - it.k0) * sh.Hq;
         it.part = p; it.parts = parts; it.slot = *slots + p;
         items.push_back(it);
@@ -190,12 +200,14 @@ std::vector<AttnItem> plan(const int32_t* qsl, const int32_t* sl, int64_t B, con
       continue;
     }
     if (n == 1) {
-      items.push_back({b, first, ctx0, 0, 1, 0, sh.Hkv, double(sl[b]) * sh.Hq});
+      items.push_back({b, first, ctx0, 0, 1, 0, sh.Hkv, double(nk) * sh.Hq});
       continue;
     }
     for (int64_t r0 = 0; r0 < n; r0 += tile_rows) {
       const int64_t r1 = std::min(n, r0 + tile_rows);
-      const double keys = double(r1 - r0) * (ctx0 + (r0 + r1 + 1) / 2.0);
+      double keys = ctx0 + (r0 + r1 + 1) / 2.0;
+      if (sh.window > 0) keys = std::min<double>(keys, sh.window);
+      keys *= r1 - r0;
       for (int64_t h = 0; h < sh.Hkv; ++h) items.push_back({b, first, ctx0, r0, r1, h, h + 1, keys * sh.G});
     }
   }
@@ -203,7 +215,8 @@ std::vector<AttnItem> plan(const int32_t* qsl, const int32_t* sl, int64_t B, con
 }
 
 void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                     torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale, torch::Tensor out) {
+                     torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale, torch::Tensor out,
+                     int64_t sliding_window, double logits_soft_cap) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && out.dim() == 3);
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
               out.scalar_type() == query.scalar_type(), "query, caches and out must share one dtype");
@@ -220,14 +233,17 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   sh.q_stride = query.stride(0); sh.o_stride = out.stride(0);
   sh.max_blocks = block_tables.size(1);
   sh.scale = float(scale);
+  sh.window = sliding_window;
+  sh.soft_cap = float(logits_soft_cap);
   const int64_t B = seq_lens.size(0);
   auto qsl_c = query_start_loc.contiguous();
   auto sl_c = seq_lens.contiguous();
   const int32_t* qsl = qsl_c.data_ptr<int32_t>();
   const int32_t* sl = sl_c.data_ptr<int32_t>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
-  // The bf16 kernel packs each item's V rows once: larger items (128 query vectors) share that.
-  const bool bf16_kernel = query.scalar_type() == torch::kBFloat16 && attention_bf16_takes(sh);
+  // The bf16 kernel packs each item's V rows once: larger items (128 query vectors) share that. It takes windows
+  // on decode rows only and no soft-cap; the generic kernel takes the rest.
+  const bool bf16_kernel = query.scalar_type() == torch::kBFloat16 && attention_bf16_takes(sh) && sh.soft_cap == 0.f;
   int64_t slots = 0;
   const std::vector<AttnItem> items = plan(qsl, sl, B, sh, bf16_kernel ? std::max<int64_t>(1, 128 / sh.G) : 32,
                                            kDecodePartKeys, &slots);
@@ -250,7 +266,8 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
     at::parallel_for(0, parts, 1, [&](int64_t, int64_t) {
       for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
         const AttnItem& it = items[order[k]];
-        if (!(bf16_kernel && attend_bf16_if(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, sh, split)))
+        const bool bf16_item = bf16_kernel && (sh.window == 0 || (it.r0 == 0 && it.r1 == 1 && it.h1 - it.h0 == sh.Hkv));
+        if (!(bf16_item && attend_bf16_if(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, sh, split)))
           attend_item(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, sh, split);
       }
     });

@@ -7,6 +7,10 @@ namespace ps {
 struct AttnShape {
   int64_t Hq, Hkv, G, D, bs, tok_stride, blk_stride, q_stride, o_stride, max_blocks;
   float scale;
+  int64_t window = 0;   // sliding window: a query at position p sees keys > p - window (0: every key)
+  float soft_cap = 0.f;  // scores = soft_cap * tanh(scores / soft_cap) before the softmax (0: none)
+  // The lowest key position a query at position p attends.
+  int64_t first_key(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
 };
 
 struct AttnItem {
@@ -51,8 +55,10 @@ bool attention_bf16_takes(const AttnShape& sh);
 void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
                       const AttnItem& it, const AttnShape& sh, const DecodeParts& split);
 
-// query [T, Hq, D], caches [blocks, block_size, Hkv, D], int32 tables; writes out [T, Hq, D].
+// query [T, Hq, D], caches [blocks, block_size, Hkv, D], int32 tables; writes out [T, Hq, D]. Block-table entries
+// wholly below a row's sliding window are never read.
 void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                     torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale, torch::Tensor out);
+                     torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale, torch::Tensor out,
+                     int64_t sliding_window = 0, double logits_soft_cap = 0.0);
 
 }  // namespace ps

@@ -231,7 +231,7 @@ inline void store_decode_row(bf16_t* orow, const float* acc, const float* l, con
   }
 }
 
-// One query position, every head, over its whole context.
+// One query position, every head, over its context (from its sliding window's first key).
 template <int DV>
 void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
                  const AttnItem& it, const AttnShape& sh) {
@@ -239,8 +239,8 @@ void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* ou
   acc.resize(sh.Hq * sh.D);
   m.resize(sh.Hq);
   l.resize(sh.Hq);
-  decode_range<DV>(q + it.first_token * sh.q_stride, kc, vc, table, 0, it.ctx0 + 1, sh, m.data(), l.data(),
-                   acc.data());
+  decode_range<DV>(q + it.first_token * sh.q_stride, kc, vc, table, sh.first_key(it.ctx0), it.ctx0 + 1, sh,
+                   m.data(), l.data(), acc.data());
   store_decode_row(out + it.first_token * sh.o_stride, acc.data(), l.data(), sh);
 }
 
@@ -368,7 +368,7 @@ void item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, cons
       combine_parts(split.scratch + (it.slot - it.part) * split.stride, it.parts, sh, acc.data(), l.data());
       store_decode_row(out + it.first_token * sh.o_stride, acc.data(), l.data(), sh);
     }
-  } else if (it.r1 - it.r0 == 1 && it.h1 - it.h0 == sh.Hkv)
+  } else if (it.r0 == 0 && it.r1 == 1 && it.h1 - it.h0 == sh.Hkv)  // not a prefill's 1-row last tile under MQA
     decode_item<DV>(q, kc, vc, out, table, it, sh);
   else
     for (int64_t h = it.h0; h < it.h1; ++h) {

@@ -19,16 +19,14 @@ _MLP_PARTS = {"gate_up_proj", "down_proj", "act_fn"}
 
 def _llama_shaped(layer: nn.Module) -> bool:
     """Whether the layer computes exactly what ``llama_layer`` does: pre-norm RMSNorm, plain rotary (no per-sequence
-    tables), full causal attention without a soft-cap, SiLU-and-mul."""
+    tables), SiLU-and-mul (the window and soft-cap are checked with the sizes)."""
     att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if att is None or mlp is None:
         return False
     names = [{n for n, _ in m.named_children()} for m in (layer, att, mlp)]
     return (names == [_LAYER_PARTS, _ATTN_PARTS, _MLP_PARTS] and type(mlp.act_fn) is SiluAndMul
             and type(att.rotary_emb) is RotaryEmbedding
-            and all(type(n) is RMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm))
-            and getattr(att.attn, "sliding_window", None) is None
-            and getattr(att.attn, "logits_soft_cap", None) is None)
+            and all(type(n) is RMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm)))
 
 
 def _layer_weights(layer: nn.Module) -> cpu_layer.LayerWeights | None:
@@ -45,7 +43,8 @@ def _layer_weights(layer: nn.Module) -> cpu_layer.LayerWeights | None:
             or len({p.panels.dtype for p in panels}) != 1
             or any(w.dtype != panels[0].panels.dtype or w.shape[0] % 8 for w in norms)
             or mlp.gate_up_proj.output_size_per_partition % 16 or rope.cos.dtype != torch.float32
-            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
+            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps
+            or att.attn.sliding_window is not None or att.attn.logits_soft_cap is not None):
         return None
     biases = [m.bias.detach() if m.bias is not None else torch.empty(0) for m in linears]
     return cpu_layer.LayerWeights(

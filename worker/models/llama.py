@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from pagedserve.worker.layers.activation import SiluAndMul
-from pagedserve.worker.layers.attention import Attention
+from pagedserve.worker.layers.attention import Attention, layer_sliding_window
 from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.worker.layers.layernorm import RMSNorm
 from pagedserve.worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -14,7 +14,7 @@ from pagedserve.worker.models.utils import load_params
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, layer_idx: int) -> None:
         super().__init__()
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -22,7 +22,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=o_bias)
         self.rotary_emb = rope_from_config(config, head_dim)
-        self.attn = Attention(self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads)
+        self.attn = Attention(self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads,
+                              sliding_window=layer_sliding_window(config, layer_idx))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         p = self.qkv_proj
@@ -49,9 +50,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention  # subclasses swap in a variant (Qwen3's q/k norms)
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_bias: bool, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, qkv_bias, o_bias)
+        self.self_attn = self.attention_cls(config, qkv_bias, o_bias, layer_idx)
         self.mlp = LlamaMLP(config, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -72,8 +73,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.decoder_layer_cls(config, qkv_bias, o_bias, mlp_bias)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, qkv_bias, o_bias, mlp_bias, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.cpu_layers = None  # all layers in one C++ call each, where worker.cpu.prepare_model sets them up
 

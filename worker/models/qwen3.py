@@ -8,8 +8,8 @@ from pagedserve.worker.models.llama import LlamaAttention, LlamaDecoderLayer, Ll
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool) -> None:
-        super().__init__(config, qkv_bias, o_bias)
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, layer_idx: int) -> None:
+        super().__init__(config, qkv_bias, o_bias, layer_idx)
         self.q_norm = RMSNorm(self.qkv_proj.head_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.qkv_proj.head_size, config.rms_norm_eps)
 
