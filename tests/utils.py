@@ -70,12 +70,22 @@ def _base(arch: str) -> tuple[str, dict]:
         "phi3": ("Phi3Config", dict(llama, sliding_window=None, original_max_position_embeddings=2, rope_scaling={
             "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
             "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
+        # A sliding layer then a global one; small caps so the soft-capping really bends the logits.
+        "gemma2": ("Gemma2Config", dict(llama, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                        tie_word_embeddings=True)),
+        "gemma3": ("Gemma3TextConfig", dict(llama, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+                                            layer_types=["sliding_attention", "full_attention"],
+                                            rope_theta=100000.0, rope_local_base_freq=10000.0,
+                                            final_logit_softcapping=3.0, tie_word_embeddings=True)),
     }
     return table[arch]
 
 
 ARCHS = ["llama", "llama-mha-tied", "llama-rope-linear", "llama-rope-llama3", "mistral", "qwen2", "gpt2",
-         "gpt_neox", "gpt_neox-seq", "opt", "opt-350m-like", "qwen3", "phi3"]
+         "gpt_neox", "gpt_neox-seq", "opt", "opt-350m-like", "qwen3", "phi3", "gemma2",
+         "gemma3"]
 
 
 def make_model(path: str, arch: str, seed: int = 0, tokenizer_dir: str | None = None, **overrides) -> str:
