@@ -72,12 +72,27 @@ def _base(arch: str) -> tuple[str, dict]:
                                                 num_key_value_heads=6, head_dim=80)),  # TP 2: 100 columns a rank
         "llama-odd-hd96": ("LlamaConfig", dict(llama, hidden_size=78, intermediate_size=300, num_attention_heads=6,
                                                 num_key_value_heads=3, head_dim=96)),  # TP 3: 100 a rank, GQA 2
+        "qwen3": ("Qwen3Config", dict(llama, head_dim=32, use_sliding_window=False)),
+        # Every prompt is longer than original_max_position_embeddings: long factors and the attention factor.
+        "phi3": ("Phi3Config", dict(llama, sliding_window=None, original_max_position_embeddings=2, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
+        # A sliding layer then a global one; small caps so the soft-capping really bends the logits.
+        "gemma2": ("Gemma2Config", dict(llama, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                        tie_word_embeddings=True)),
+        "gemma3": ("Gemma3TextConfig", dict(llama, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+                                            layer_types=["sliding_attention", "full_attention"],
+                                            rope_theta=100000.0, rope_local_base_freq=10000.0,
+                                            final_logit_softcapping=3.0, tie_word_embeddings=True)),
     }
     return table[arch]
 
 
 ARCHS = ["llama", "llama-mha-tied", "llama-rope-linear", "llama-rope-llama3", "mistral", "qwen2", "gpt2",
-         "gpt_neox", "gpt_neox-seq", "opt", "opt-350m-like"]
+         "gpt_neox", "gpt_neox-seq", "opt", "opt-350m-like", "qwen3", "phi3", "gemma2",
+         "gemma3"]
 
 
 def make_model(path: str, arch: str, seed: int = 0, tokenizer_dir: str | None = None, **overrides) -> str:

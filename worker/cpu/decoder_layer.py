@@ -7,12 +7,34 @@ from torch import nn
 
 from pagedserve.kernels import cpu_layer
 from pagedserve.worker.forward_context import get_attn_metadata
+from pagedserve.worker.layers.activation import SiluAndMul
+from pagedserve.worker.layers.layernorm import RMSNorm
+from pagedserve.worker.layers.rotary import RotaryEmbedding
+
+# The modules of exactly a LLaMA layer: anything more (q/k norms, post-norms) is math the C++ layer does not do.
+_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTN_PARTS = {"qkv_proj", "o_proj", "rotary_emb", "attn"}
+_MLP_PARTS = {"gate_up_proj", "down_proj", "act_fn"}
+
+
+def _llama_shaped(layer: nn.Module) -> bool:
+    """Whether the layer computes exactly what ``llama_layer`` does: pre-norm RMSNorm, plain rotary (no per-sequence
+    tables), SiLU-and-mul (the window and soft-cap are checked with the sizes)."""
+    att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if att is None or mlp is None:
+        return False
+    names = [{n for n, _ in m.named_children()} for m in (layer, att, mlp)]
+    return (names == [_LAYER_PARTS, _ATTN_PARTS, _MLP_PARTS] and type(mlp.act_fn) is SiluAndMul
+            and type(att.rotary_emb) is RotaryEmbedding
+            and all(type(n) is RMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm)))
 
 
 def _layer_weights(layer: nn.Module) -> cpu_layer.LayerWeights | None:
     """One layer's weights for the C++ layer, or None where it does not apply: weights not packed in panels,
-    more than one tensor-parallel rank, sizes the kernels do not take (``cpu_layer.takes``), or a sliding window
-    or soft-cap."""
+    more than one tensor-parallel rank, sizes the kernels do not take (``cpu_layer.takes``), a sliding window or
+    soft-cap, or a layer that is not exactly LLaMA's."""
+    if not _llama_shaped(layer):
+        return None
     att, mlp = layer.self_attn, layer.mlp
     linears = [att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj]
     panels = [getattr(m, "panel_weight", None) for m in linears]

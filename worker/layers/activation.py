@@ -30,3 +30,15 @@ def get_act_fn(name: str):
     if name not in _ACTIVATIONS:
         raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}")
     return _ACTIVATIONS[name]
+
+
+class GeluAndMul(nn.Module):
+    """GeGLU: ``gelu(gate) * up`` on a [..., 2 * I] input (Gemma: the tanh approximation)."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up

@@ -33,3 +33,17 @@ class RMSNorm(nn.Module):
             return x, residual
         x = x + residual
         return self._norm(x), x
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by ``1 + weight`` and, unlike LLaMA's, multiplies in fp32 before casting back."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -48,9 +48,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention  # subclasses swap in a variant (Qwen3's q/k norms)
+
     def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_bias: bool, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, layer_idx)
+        self.self_attn = self.attention_cls(config, qkv_bias, o_bias, layer_idx)
         self.mlp = LlamaMLP(config, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -66,10 +68,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    decoder_layer_cls = LlamaDecoderLayer
+
     def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_bias, i)
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, qkv_bias, o_bias, mlp_bias, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.cpu_layers = None  # all layers in one C++ call each, where worker.cpu.prepare_model sets them up
@@ -88,11 +92,12 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     stacked_params = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
                       ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+    model_cls = LlamaModel
 
     def __init__(self, config) -> None:
         super().__init__()
         bias = bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, self.qkv_bias(config, bias), bias, bool(getattr(config, "mlp_bias", False)))
+        self.model = self.model_cls(config, self.qkv_bias(config, bias), bias, bool(getattr(config, "mlp_bias", False)))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
