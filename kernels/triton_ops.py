@@ -58,6 +58,15 @@ def reshape_and_cache(
     )
 
 
+def attention_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the Triton attention kernel takes these shapes (else :func:`paged_attention` runs the torch
+    reference): head sizes and GQA groups are padded to powers of two and masked, so any of them, but ``tl.dot``
+    needs each dimension >= 16 (the head size padded: 9 and up) and the tiles are sized for a padded head size of
+    at most 256. ``reshape_and_cache``'s kernel masks every size and takes any."""
+    head_pad = 1 << max(0, query.shape[2] - 1).bit_length()
+    return 16 <= head_pad <= 256
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
@@ -71,14 +80,12 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    if sliding_window is not None or logits_soft_cap is not None:
-        return torch_ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                         out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    """Sliding windows and logit soft-caps run in the kernel (block-table entries below a row's window, possibly
+    ``NULL_BLOCK``, are never read); only shapes failing :func:`attention_supported` take the torch reference."""
     _check_cache_pair(k_cache, v_cache)
     _check(query.dim() == 3, "query must be [T, Hq, D]")
     _check(query.dtype in _FLOAT_DTYPES, f"unsupported query dtype {query.dtype}")
     _check(query.shape[2] == k_cache.shape[3], "query and cache head sizes differ")
-    _check(query.shape[2] <= 256, "head sizes above 256 are not supported")
     _check(query.shape[1] % k_cache.shape[2] == 0, "num_q_heads must be a multiple of num_kv_heads")
     _check(query.device == k_cache.device, "query is not on the cache device")
     _check_index("block_tables", block_tables, 2, query.device)
@@ -87,6 +94,11 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     _check(query_start_loc.shape[0] == num_seqs + 1, "query_start_loc must have num_seqs + 1 entries")
     _check(block_tables.shape[0] >= num_seqs, "block_tables needs a row per sequence")
+    _check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
+    _check(logits_soft_cap is None or logits_soft_cap > 0, f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+    if not attention_supported(query, k_cache):
+        return torch_ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                         out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if out is None:
         out = torch.empty_like(query)
     _check(out.shape == query.shape and out.dtype == query.dtype, "out must match query")
@@ -101,6 +113,8 @@ def paged_attention(
         seq_lens.contiguous(),
         scale,
         dst,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )
     if dst is not out:
         out.copy_(dst)
