@@ -7,9 +7,16 @@ group. It walks the sequence's keys ``TILE_N`` at a time through the block table
 tile looks up its own physical block, so ``TILE_N`` need not equal the cache block size) with an
 online softmax in fp32.
 
+A sliding window (``SLIDING``) raises the start of that walk to the lowest key the block's first
+query sees, so blocks wholly below it are never loaded (their table entries may be freed,
+``NULL_BLOCK``); each row also masks the keys below its own window. A logit soft-cap
+(``SOFT_CAP``) squashes the scores before the online softmax.
+
 With ``num_splits > 1`` (flash-decoding) split ``s`` only covers keys
-``[s * partition_size, (s + 1) * partition_size)`` and writes an fp32 partial output plus its
-log2-sum-exp; ``_reduce_splits_kernel`` then merges the partials of each (token, head).
+``[kv_lo + s * partition_size, kv_lo + (s + 1) * partition_size)`` of the program's key range
+``[kv_lo, kv_end)`` (``kv_lo`` is 0 without a window, so splits only divide the window) and writes an
+fp32 partial output plus its log2-sum-exp; ``_reduce_splits_kernel`` then merges the partials of
+each (token, head), where an empty split weighs nothing.
 
 Query blocks are numbered so that sequence ``b`` starts at ``query_start_loc[b] // BLOCK_Q + b``;
 that keeps the starts strictly increasing, bounds the grid by ``num_tokens // BLOCK_Q + num_seqs``
@@ -60,6 +67,14 @@ def _mma(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    # exp2 form: no libdevice in the interpreter; e in (0, 1] never overflows.
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D], or fp32 [S, T, Hq, D] partials when SPLIT
     lse_ptr,  # fp32 [S, T, Hq] log2-sum-exp of each partial (only read when SPLIT)
@@ -70,6 +85,8 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
     scale_log2,  # softmax scale * log2(e): the softmax runs on exp2
+    soft_cap_log2,  # logit soft-cap * log2(e) (only read when SOFT_CAP)
+    sliding_window,  # a query at position p sees keys > p - sliding_window (only read when SLIDING)
     num_seqs,
     partition_size,  # keys per split, a multiple of TILE_N
     stride_q_tok,
@@ -94,6 +111,8 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -129,11 +148,18 @@ def _paged_attention_kernel(
 
     # Keys past the last query position of this block are masked for every row: skip them.
     kv_end = tl.minimum(seq_len, prefix_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
-    if SPLIT:
-        kv_start = split * partition_size
-        kv_stop = tl.minimum(kv_end, kv_start + partition_size)
+    # Keys below the window of the block's first query are masked for every row: never load them.
+    if SLIDING:
+        kv_lo = tl.maximum(prefix_len + q_block * BLOCK_Q - sliding_window + 1, 0)
     else:
-        kv_start = 0
+        kv_lo = 0
+    if SPLIT:
+        kv_start = kv_lo + split * partition_size
+        kv_stop = tl.minimum(kv_end, kv_start + partition_size)
+        if split == tl.num_programs(2) - 1:
+            kv_stop = kv_end  # the last split takes any rest, so no key is ever dropped
+    else:
+        kv_start = kv_lo
         kv_stop = kv_end
 
     # A finite start for the running max keeps fully masked rows free of inf - inf.
@@ -154,8 +180,12 @@ def _paged_attention_kernel(
             other=0.0,
         ).to(q.dtype)
         s = _mma(q, k, DOT_PRECISION, UPCAST_DOT) * scale_log2
-        causal = (j[None, :] <= q_pos[:, None]) & j_valid[None, :]
-        s = tl.where(causal, s, float("-inf"))
+        if SOFT_CAP:
+            s = soft_cap_log2 * _tanh(s / soft_cap_log2)
+        seen = (j[None, :] <= q_pos[:, None]) & j_valid[None, :]
+        if SLIDING:
+            seen = seen & (j[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(seen, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -220,9 +250,10 @@ def _reduce_splits_kernel(
         mask=s_valid,
         other=float("-inf"),
     )
-    # Split 0 always holds key 0, which every query sees, so the max is finite.
-    weight = tl.exp2(lse - tl.max(lse, axis=0))
-    weight = tl.where(s_valid, weight, 0.0)
+    # A split with no key for this row has lse -inf and weighs 0; some split holds the row's own key.
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.where(s_valid & (lse > float("-inf")), tl.exp2(lse - lse_max), 0.0)
     partial = tl.load(
         partial_ptr
         + s[:, None] * stride_p_split
@@ -232,7 +263,8 @@ def _reduce_splits_kernel(
         mask=s_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
-    o = tl.sum(partial * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    total = tl.sum(weight, axis=0)
+    o = tl.sum(partial * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + tok * stride_o_tok + head * stride_o_head + d,
         o.to(out_ptr.dtype.element_ty),
@@ -272,8 +304,10 @@ def choose_config(
     num_sms: int,
     on_gpu: bool = True,
     dtype_bytes: int = 2,
+    sliding_window: int | None = None,
 ) -> AttentionConfig:
-    """Tile sizes and the split-KV decision for one call."""
+    """Tile sizes and the split-KV decision for one call. Splits divide the keys one program
+    walks: the whole context, or under a sliding window at most ``window + max_q_len - 1`` keys."""
     gqa_pad = triton.next_power_of_2(gqa)
     # tl.dot wants >= 16 rows; a decode program holds one token, so its rows are the GQA group.
     # 128-row tiles only for 16-bit inputs: fp32 ones would need ~160 KB of shared memory.
@@ -287,18 +321,21 @@ def choose_config(
     if triton.next_power_of_2(head_size) * dtype_bytes > 256:  # fp32 above 64, or 16-bit 256
         tile_n, num_stages = 32, 2
 
+    kv_span = max_seq_len
+    if sliding_window is not None:
+        kv_span = min(kv_span, sliding_window + max_q_len - 1)
     num_splits, partition_size = 1, 0
     programs = num_seqs * num_kv_heads * triton.cdiv(max_q_len, block_q)
     if (
         max_q_len <= SPLIT_MAX_Q_LEN
         and programs < SPLIT_PROGRAMS_PER_SM * num_sms
-        and max_seq_len >= 2 * MIN_PARTITION
+        and kv_span >= 2 * MIN_PARTITION
     ):
         wanted = triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms, programs)
-        num_splits = min(wanted, max_seq_len // MIN_PARTITION, MAX_SPLITS)
+        num_splits = min(wanted, kv_span // MIN_PARTITION, MAX_SPLITS)
         if num_splits > 1:
-            partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), tile_n) * tile_n
-            num_splits = triton.cdiv(max_seq_len, partition_size)
+            partition_size = triton.cdiv(triton.cdiv(kv_span, num_splits), tile_n) * tile_n
+            num_splits = triton.cdiv(kv_span, partition_size)
         if num_splits <= 1:
             num_splits, partition_size = 1, 0
     return AttentionConfig(block_q, tile_n, num_splits, partition_size, num_warps, num_stages)
@@ -325,10 +362,14 @@ def paged_attention(
     out: torch.Tensor,
     config: AttentionConfig | None = None,
     stats: tuple[int, int, int] | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Launch for checked arguments (see ``triton_ops.paged_attention``). ``config`` overrides the
     heuristic (tests use it to reach every tiling and the split path on tiny shapes); ``stats``
-    is ``batch_stats(...)`` when the caller already knows it, saving the device-to-host sync."""
+    is ``batch_stats(...)`` when the caller already knows it, saving the device-to-host sync.
+    ``sliding_window`` (>= 1) and ``logits_soft_cap`` (> 0) follow ``torch_ref.paged_attention``."""
     _, num_q_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -347,6 +388,7 @@ def paged_attention(
             num_sms=_num_sms(query.device),
             on_gpu=query.device.type == "cuda" and not _interpreting(),
             dtype_bytes=query.element_size(),
+            sliding_window=sliding_window,
         )
     head_pad = triton.next_power_of_2(head_size)
     split = config.num_splits > 1
@@ -376,6 +418,8 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         scale * math.log2(math.e),
+        (logits_soft_cap or 1.0) * math.log2(math.e),
+        sliding_window or 0,
         num_seqs,
         config.partition_size,
         query.stride(0),
@@ -393,6 +437,8 @@ def paged_attention(
         BLOCK_Q=config.block_q,
         TILE_N=config.tile_n,
         SPLIT=split,
+        SLIDING=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         UPCAST_DOT=_interpreting() and query.dtype == torch.bfloat16,
         num_warps=config.num_warps,

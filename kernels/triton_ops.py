@@ -80,9 +80,8 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    if sliding_window is not None or logits_soft_cap is not None:
-        return torch_ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                         out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    """Sliding windows and logit soft-caps run in the kernel (block-table entries below a row's window, possibly
+    ``NULL_BLOCK``, are never read); only shapes failing :func:`attention_supported` take the torch reference."""
     _check_cache_pair(k_cache, v_cache)
     _check(query.dim() == 3, "query must be [T, Hq, D]")
     _check(query.dtype in _FLOAT_DTYPES, f"unsupported query dtype {query.dtype}")
@@ -95,9 +94,11 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     _check(query_start_loc.shape[0] == num_seqs + 1, "query_start_loc must have num_seqs + 1 entries")
     _check(block_tables.shape[0] >= num_seqs, "block_tables needs a row per sequence")
+    _check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
+    _check(logits_soft_cap is None or logits_soft_cap > 0, f"logits_soft_cap must be > 0, got {logits_soft_cap}")
     if not attention_supported(query, k_cache):
         return torch_ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                         out)
+                                         out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if out is None:
         out = torch.empty_like(query)
     _check(out.shape == query.shape and out.dtype == query.dtype, "out must match query")
@@ -112,6 +113,8 @@ def paged_attention(
         seq_lens.contiguous(),
         scale,
         dst,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )
     if dst is not out:
         out.copy_(dst)
