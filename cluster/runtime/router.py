@@ -311,6 +311,14 @@ class ReplicaRouter(EngineClient):
             if rec is not None:
                 rec.queue.put_nowait(out)
 
+    @staticmethod
+    def _move(rec: _InFlight, target: ReplicaState) -> None:
+        rec.replica.load -= 1
+        rec.replica.work -= rec.prefill + rec.decode
+        rec.replica = target
+        target.load += 1
+        rec.charge(target)
+
     async def _resume(self, rec: _InFlight) -> None:
         """Send a request whose engine died to another (or the restarted) one, from where it stood."""
         rid = rec.request.request_id
@@ -329,11 +337,7 @@ class ReplicaRouter(EngineClient):
             rec.queue.put_nowait(EngineUnavailableError(error))
             return
         state = self.processor.resume_state(rid, rec.seed)
-        rec.replica.load -= 1
-        rec.replica.work -= rec.prefill + rec.decode
-        rec.replica = target
-        target.load += 1
-        rec.charge(target)
+        self._move(rec, target)
         logger.info("resuming request %s on replica %d (attempt %d)", rid, target.index, rec.attempts)
         try:
             await target.actor.add_request.remote(self.client_id, dataclasses.replace(rec.request, resume=state))
@@ -368,17 +372,29 @@ class ReplicaRouter(EngineClient):
         try:
             self.processor.add_request(request_id, prompt, request.prompt_token_ids, request.params, stream,
                                        delta=True)
-            i = rec.replica.index
-            try:
-                rec.seed = await rec.replica.actor.add_request.remote(self.client_id, request)
-            except ray.exceptions.RayTaskError as e:
-                cause = unwrap(e)
-                if isinstance(cause, (ValueError, OverloadedError, EngineUnavailableError)):
-                    finished = True  # nothing was queued
-                    raise cause from None
-                raise EngineUnavailableError(f"model replica {i} failed: {type(cause).__name__}") from None
-            except ray.exceptions.RayError as e:
-                raise EngineUnavailableError(f"model replica {i} is unavailable: {type(e).__name__}") from None
+            tried: set[int] = set()
+            while True:
+                i = rec.replica.index
+                try:
+                    rec.seed = await rec.replica.actor.add_request.remote(self.client_id, request)
+                    break
+                except ray.exceptions.RayTaskError as e:
+                    cause = unwrap(e)
+                    if isinstance(cause, (ValueError, OverloadedError, EngineUnavailableError)):
+                        finished = True  # nothing was queued
+                        raise cause from None
+                    raise EngineUnavailableError(f"model replica {i} failed: {type(cause).__name__}") from None
+                except ray.exceptions.RayActorError as e:
+                    # Its actor died before its stream told us: nothing was queued there, another replica takes it.
+                    tried.add(i)
+                    others = [r for r in self.replicas if r.serving and r.index not in tried]
+                    if not others:
+                        raise EngineUnavailableError(f"model replica {i} is unavailable: {type(e).__name__}") from None
+                    self._move(rec, min(others, key=lambda r: r.load))
+                    if session_id is not None:
+                        self._sessions[session_id] = rec.replica.index
+                except ray.exceptions.RayError as e:
+                    raise EngineUnavailableError(f"model replica {i} is unavailable: {type(e).__name__}") from None
             while True:
                 item = await rec.queue.get()
                 if isinstance(item, BaseException):
