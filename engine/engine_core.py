@@ -19,6 +19,7 @@ from pagedserve.engine.tokenizer import guidance_tokenizer, load_tokenizer
 from pagedserve.errors import EngineUnavailableError, InvalidRequestError, WorkerFailedError
 from pagedserve.outputs import EngineCoreOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.kv_events import KVCacheSnapshot, KVEvent
 from pagedserve.scheduler.request import Request, Sequence, child_seed
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.structured_output import StructuredOutputManager
@@ -178,6 +179,14 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.block_manager.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """Prefix-cache blocks stored and evicted since the last call (none are recorded before the first call, so
+        an engine nobody drains keeps no list)."""
+        return self.scheduler.block_manager.take_kv_events()
+
+    def kv_snapshot(self) -> KVCacheSnapshot:
+        return KVCacheSnapshot(self.scheduler.block_manager.cached_block_hashes())
 
     def abort_request(self, request_id: str) -> Request | None:
         return self.scheduler.abort_request(request_id)

@@ -36,10 +36,11 @@ class EngineClient(ABC):
         """Tokenize and validate (the one intake path); raises InvalidRequestError naming the field."""
 
     @abstractmethod
-    def generate(self, prompt: str | None, request: EngineCoreRequest,
-                 stream: bool = True) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
+    def generate(self, prompt: str | None, request: EngineCoreRequest, stream: bool = True,
+                 session_id: str | None = None) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
         """Run a processed request: its delta outputs (every step's when ``stream``, else the final one). Raises
-        OverloadedError or EngineUnavailableError; closing the iterator early aborts the request."""
+        OverloadedError or EngineUnavailableError; closing the iterator early aborts the request. ``session_id``
+        (the client's, if any) keeps a session's requests on one replica where that helps."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> bool:

@@ -22,9 +22,9 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from pagedserve.scheduler.free_runs import FreeRuns
+from pagedserve.scheduler.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 from pagedserve.scheduler.request import Sequence
 
-BlockHash = bytes
 NULL_BLOCK = -1  # a released table entry below the sliding window
 
 
@@ -38,6 +38,17 @@ def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], salt: str |
     h.update(len(token_ids).to_bytes(4, "little"))
     h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
     return h.digest()
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, salt: str | None) -> list[BlockHash]:
+    """The chained hashes of the blocks ``match_prefix`` looks up for this prompt (its full blocks, short of its last
+    token): what a router compares with a replica's cached hashes."""
+    hashes: list[BlockHash] = []
+    parent = None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block(parent, tuple(token_ids[i * block_size: (i + 1) * block_size]), salt)
+        hashes.append(parent)
+    return hashes
 
 
 @dataclass(eq=False)
@@ -56,6 +67,7 @@ class BlockPool:
         self.evictor: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, oldest first
         self.cached: dict[BlockHash, int] = {}
         self.info: dict[int, CachedBlockInfo] = {}
+        self.events: list[KVEvent] | None = None  # recorded only once someone drains them (see take_events)
 
     @property
     def num_free(self) -> int:
@@ -71,7 +83,10 @@ class BlockPool:
         blocks += self.free_blocks.take(min(n - len(blocks), len(self.free_blocks)))
         while len(blocks) < n:
             b, _ = self.evictor.popitem(last=False)
-            del self.cached[self.info.pop(b).block_hash]
+            evicted = self.info.pop(b).block_hash
+            del self.cached[evicted]
+            if self.events is not None:
+                self.events.append(BlockRemoved(evicted))
             blocks.append(b)
         for b in blocks:
             self.ref_cnt[b] = 1
@@ -109,9 +124,18 @@ class BlockPool:
             return False
         self.cached[block_hash] = block
         self.info[block] = CachedBlockInfo(block_hash, parent, token_ids)
+        if self.events is not None:
+            self.events.append(BlockStored(block_hash, parent.block_hash if parent is not None else None))
         return True
 
+    def take_events(self) -> list[KVEvent]:
+        """The cache's events since the last call; the first call starts the recording."""
+        events, self.events = self.events or [], []
+        return events
+
     def reset_cache(self) -> None:
+        if self.events is not None and self.cached:
+            self.events.append(AllBlocksCleared())
         self.cached.clear()
         self.info.clear()
         for b in self.evictor:
@@ -339,3 +363,10 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """Blocks stored in and evicted from the prefix cache since the last call (recorded from the first call)."""
+        return self.pool.take_events()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return list(self.pool.cached)

@@ -17,6 +17,7 @@ import uvloop
 from pagedserve.cluster.runtime.private_ray import PrivateRay
 from pagedserve.cluster.runtime.replicas import Replica, launch_replicas, shutdown_replicas
 from pagedserve.cluster.runtime.router import ReplicaRouter
+from pagedserve.cluster.runtime.routing import DEFAULT_BALANCE_FACTOR, POLICIES, default_policy, make_policy
 from pagedserve.cluster.server.gateway import Gateway
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.cluster.server.state import ModelInfo
@@ -50,12 +51,15 @@ class ServeOptions:
     # own options (the demo, tests) opts in.
     http_port: int = 0
     chat_template: str | None = None  # a file (or an inline template) overriding the tokenizer's chat template
+    routing_policy: str | None = None  # None: prefix-aware with several replicas, else least-loaded
+    routing_balance_factor: float = DEFAULT_BALANCE_FACTOR
 
 
 async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None = None,
                 on_ready: Callable[[Gateway], None] | None = None) -> None:
     """Run until ``stop`` is set (by default on SIGTERM or SIGINT); ``on_ready`` gets the gateway once SERVING."""
     config = args.create_engine_config()  # fails fast on a bad model dir or TP split
+    policy = make_policy(opts.routing_policy or default_policy(opts.data_parallel_size), opts.routing_balance_factor)
     model_dir = config.model_config.model
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     name = opts.served_model_name or os.path.basename(os.path.normpath(model_dir))
@@ -96,7 +100,7 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
             return
         replicas = launch.result()
         infos = await asyncio.gather(*[r.actor.get_info.remote() for r in replicas])
-        engine = ReplicaRouter(replicas, tokenizer, infos)
+        engine = ReplicaRouter(replicas, tokenizer, infos, policy)
         engine.start()
         freeze_gc_heap()
         await gateway.set_ready(engine, ModelInfo(name, engine.info, len(replicas)))
@@ -144,6 +148,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="port of the OpenAI-compatible HTTP API (0: off); same key, TLS files and limits as gRPC")
     g.add_argument("--chat-template", default=None,
                    help="chat template file (Jinja) for /v1/chat/completions, overriding the tokenizer's")
+    g.add_argument("--routing-policy", choices=POLICIES, default=None,
+                   help="how requests pick a replica (default: prefix-aware with --data-parallel-size > 1, else "
+                        "least-loaded)")
+    g.add_argument("--routing-balance-factor", type=float, default=d.routing_balance_factor,
+                   help="prefix-aware: a replica's score is its uncached prompt tokens plus this times its queued "
+                        "and running work in tokens; higher spreads a hot prefix sooner, 0 routes by cache alone")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -2,7 +2,9 @@
 runs its step loop.
 
 Gateways add processed requests (token ids) and receive every step's ``EngineCoreOutput`` batch through one
-long-lived Ray streaming generator per gateway (``output_stream``): a push path, one object per step.
+long-lived Ray streaming generator per gateway (``output_stream``): a push path, one object per step. The same
+stream carries the step's prefix-cache events (``KVEventBatch``, to every gateway) and, first, a snapshot of the
+cache (``KVCacheSnapshot``), so a router that connects late or reconnects starts from the cache as it is.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.executor import RayPlacement, create_executor
 from pagedserve.errors import OverloadedError
 from pagedserve.outputs import EngineCoreOutput, EngineHealth
+from pagedserve.scheduler.kv_events import KVCacheSnapshot, KVEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class EngineCoreActor:
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         placement_group = ray.util.get_current_placement_group()  # read on the actor's thread (task context)
         self.core = self._engine_thread.submit(self._build_core, engine_args, num_threads, placement_group).result()
+        self.core.take_kv_events()  # starts the recording
         self.metrics = EngineCoreMetrics(self.core)
         self.max_waiting_requests = max_waiting_requests
         self.step_timeout = step_timeout
@@ -116,8 +120,9 @@ class EngineCoreActor:
             outputs = self.core.fail_step(e)
         finally:
             self._step_started = None
-        if outputs:
-            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        events = self.core.take_kv_events()
+        if outputs or events:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs, events)
         self._engine_thread.submit(self._step)
 
     def _add(self, request: EngineCoreRequest) -> int:
@@ -166,6 +171,9 @@ class EngineCoreActor:
         q = self._queue(client_id)
         if not self._healthy.healthy:  # a gateway (re)connecting while the workers are being rebuilt
             q.put_nowait([self._healthy])
+        self._loop = asyncio.get_running_loop()
+        # Taken on the engine thread between steps and queued behind the events of the steps before it.
+        self._engine_thread.submit(self._send_snapshot, client_id)
         try:
             while True:
                 batch = await q.get()
@@ -178,8 +186,21 @@ class EngineCoreActor:
             if stale:
                 await self.abort(stale)
 
-    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
-        batches: dict[str, list[EngineCoreOutput]] = {}
+    def _send_snapshot(self, client_id: str) -> None:
+        """Engine thread."""
+        snapshot = self.core.kv_snapshot()
+        self._loop.call_soon_threadsafe(self._put, client_id, snapshot)
+
+    def _put(self, client_id: str, item: KVCacheSnapshot) -> None:
+        q = self._queues.get(client_id)
+        if q is not None:
+            q.put_nowait([item])
+
+    def _dispatch(self, outputs: list[EngineCoreOutput], events: list[KVEvent]) -> None:
+        batches: dict[str, list[EngineCoreOutput | KVEventBatch]] = {}
+        if events:  # every gateway routes by them; one object per step, whoever's requests ran
+            kv = KVEventBatch(events)
+            batches = {client: [kv] for client in self._queues}
         for out in outputs:
             client = self._owner.pop(out.request_id, None) if out.finished else self._owner.get(out.request_id)
             if client is not None and client in self._queues:
@@ -211,6 +232,10 @@ class EngineCoreActor:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+    async def kv_snapshot(self) -> KVCacheSnapshot:
+        """Every block hash in the prefix cache now (a router resyncs from it)."""
+        return await self._on_engine(self.core.kv_snapshot)
 
     def get_info(self) -> EngineInfo:
         return self.core.get_info()

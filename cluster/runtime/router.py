@@ -1,6 +1,7 @@
 """The router over a serving cluster's replicas (the gateway's ``EngineClient``): processes each request once,
-picks the replica with the fewest running requests, receives every replica's output stream (one Ray streaming
-generator each) and turns token ids into text with an ``OutputProcessor``."""
+picks a replica by its routing policy (see ``routing``) and session affinity, receives every replica's output stream
+(one Ray streaming generator each: outputs, health and prefix-cache events) and turns token ids into text with an
+``OutputProcessor``."""
 from __future__ import annotations
 
 import asyncio
@@ -8,13 +9,23 @@ import contextlib
 import dataclasses
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagedserve.cluster.runtime.replicas import Replica
+from pagedserve.cluster.runtime.routing import (
+    AFFINITY_REASONS,
+    DECODE_ESTIMATE_CAP,
+    REASONS,
+    LeastLoaded,
+    Pick,
+    RouteRequest,
+    RoutingPolicy,
+)
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
@@ -22,6 +33,8 @@ from pagedserve.engine.protocol import EngineClient
 from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from pagedserve.outputs import BeamSearchOutput, EngineCoreOutput, EngineHealth, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.scheduler.block_manager import prompt_block_hashes
+from pagedserve.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +42,11 @@ SCRAPE_TIMEOUT_S = 5.0
 INLINE_TOKENIZE_CHARS = 16_384  # longer text prompts are tokenized on a worker thread
 MAX_RESUMES = 3  # engines a request may lose and still finish
 RESUME_WAIT_S = 120.0  # how long a request whose engine died waits for one that can take it
+# A session's replica is overloaded (the session moves) when it runs more than this many times the requests of the
+# least-loaded serving replica, plus the slack.
+AFFINITY_OVERLOAD_RATIO = 2
+AFFINITY_OVERLOAD_SLACK = 4
+MAX_SESSIONS = 100_000  # sessions remembered, least recently used dropped first
 
 
 def unwrap(e: BaseException) -> BaseException:
@@ -44,6 +62,8 @@ class ReplicaState:
 
     replica: Replica
     load: int = 0  # running requests, from this gateway
+    work: int = 0  # their tokens still to prefill and (estimated) to generate (see ``routing``)
+    cached: set[bytes] = field(default_factory=set)  # block hashes in its prefix cache, from its KV events
     alive: bool = True  # its actor is up
     ready: bool = True  # and not rebuilding its workers
     gone: bool = False  # dead for good (Ray's restarts spent)
@@ -77,6 +97,21 @@ class _InFlight:
     seed: int | None = None  # the engine's base seed, once it took the request
     attempts: int = 0  # engines that died under it
     error: str | None = None  # why the engine ended it with an error
+    prefill: int = 0  # prompt tokens the router expects its replica to prefill, until the first output
+    decode: int = 0  # output tokens it may still generate (estimated, capped)
+
+    def charge(self, r: ReplicaState) -> None:
+        r.work += self.prefill + self.decode
+
+    def settle(self, new_tokens: int) -> None:
+        """An output arrived: the prefill is done, and ``new_tokens`` of the decode."""
+        done = self.prefill + min(new_tokens, self.decode)
+        self.replica.work -= done
+        self.prefill, self.decode = 0, self.decode - min(new_tokens, self.decode)
+
+    def release(self) -> None:
+        self.replica.work -= self.prefill + self.decode
+        self.prefill = self.decode = 0
 
 
 class ReplicaRouter(EngineClient):
@@ -88,8 +123,13 @@ class ReplicaRouter(EngineClient):
     loses its engine more than ``MAX_RESUMES`` times, or finds none within ``RESUME_WAIT_S``, ends UNAVAILABLE.
     """
 
-    def __init__(self, replicas: list[Replica], tokenizer, infos: list[EngineInfo]) -> None:
+    def __init__(self, replicas: list[Replica], tokenizer, infos: list[EngineInfo],
+                 policy: RoutingPolicy | None = None) -> None:
         self.replicas = [ReplicaState(r) for r in replicas]
+        self.policy = policy or LeastLoaded()
+        self._sessions: OrderedDict[str, int] = OrderedDict()  # session id -> replica index it last used
+        # Every (policy, reason) at zero from the start; only values change after (read on the scrape thread).
+        self.decisions = {reason: 0 for reason in REASONS[self.policy.name] + AFFINITY_REASONS}
         self.info = dataclasses.replace(infos[0], num_kv_blocks=min(i.num_kv_blocks for i in infos))
         self.client_id = uuid.uuid4().hex
         self.input_processor = InputProcessor(tokenizer, self.info)
@@ -141,11 +181,41 @@ class ReplicaRouter(EngineClient):
         for listener in self._health_listeners:
             await listener()
 
-    def _pick(self) -> ReplicaState:
+    def _live(self) -> list[ReplicaState]:
         live = [r for r in self.replicas if r.serving]
         if not live:
             raise EngineUnavailableError(f"no model replica is available ({self.health_detail})")
-        return min(live, key=lambda r: r.load)
+        return live
+
+    def _pick(self) -> ReplicaState:
+        """Any replica that serves now, for a request resumed from a dead one (its prompt and progress moved)."""
+        return self.policy.pick(self._live(), None).replica
+
+    def _route(self, request: EngineCoreRequest, session_id: str | None = None) -> Pick[ReplicaState]:
+        """The replica for a new request, from the replicas' state as it is now (a replica that is restarting or
+        rebuilding is skipped, never waited on). A session sticks to its last replica while that serves and is not
+        overloaded (see ``AFFINITY_OVERLOAD_RATIO``)."""
+        live = self._live()
+        ids = request.prompt_token_ids
+        route = RouteRequest(len(ids), prompt_block_hashes(ids, self.info.block_size, request.cache_salt)
+                             if self.policy.needs_block_hashes else [], self.info.block_size)
+        pick = None
+        if session_id is not None and (last := self._sessions.get(session_id)) is not None:
+            r = self.replicas[last]
+            least = min(x.load for x in live)
+            if r.serving and r.load <= AFFINITY_OVERLOAD_RATIO * least + AFFINITY_OVERLOAD_SLACK:
+                pick = Pick(r, "affinity")
+            else:
+                pick = dataclasses.replace(self.policy.pick(live, route), reason="affinity_fallback")
+        if pick is None:
+            pick = self.policy.pick(live, route)
+        if session_id is not None:
+            self._sessions[session_id] = pick.replica.index
+            self._sessions.move_to_end(session_id)
+            if len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+        self.decisions[pick.reason] += 1
+        return pick
 
     async def _wait_for_replica(self) -> ReplicaState | None:
         """A replica that can serve, waiting up to RESUME_WAIT_S for one; None if none comes."""
@@ -174,6 +244,7 @@ class ReplicaRouter(EngineClient):
             except Exception as e:
                 logger.error("replica %d failed: %s", i, e)
             await self._set_state(r, alive=False)
+            r.cached.clear()  # a restarted engine starts with an empty cache; its snapshot says so on reconnecting
             for rec in [rec for rec in self._inflight.values() if rec.replica is r]:
                 asyncio.get_running_loop().create_task(self._resume(rec))
             restarted = await self._await_restart(r.replica)
@@ -204,10 +275,25 @@ class ReplicaRouter(EngineClient):
                 logger.error("replica %d is gone for good: %s", replica.index, e)
                 return False
 
-    async def _deliver(self, r: ReplicaState, batch: list[EngineCoreOutput | EngineHealth]) -> None:
+    @staticmethod
+    def _apply_kv_events(r: ReplicaState, batch: KVEventBatch) -> None:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                r.cached.add(ev.block_hash)
+            elif isinstance(ev, BlockRemoved):
+                r.cached.discard(ev.block_hash)
+            elif isinstance(ev, AllBlocksCleared):
+                r.cached.clear()
+
+    async def _deliver(self, r: ReplicaState,
+                       batch: list[EngineCoreOutput | EngineHealth | KVEventBatch | KVCacheSnapshot]) -> None:
         outputs = []
         for item in batch:
-            if isinstance(item, EngineHealth):
+            if isinstance(item, KVEventBatch):
+                self._apply_kv_events(r, item)
+            elif isinstance(item, KVCacheSnapshot):
+                r.cached = set(item.block_hashes)
+            elif isinstance(item, EngineHealth):
                 if item.failed:
                     logger.error("replica %d failed: its model fails every step the same way: %s; it is no longer "
                                  "routed to", r.index, item.reason)
@@ -224,6 +310,14 @@ class ReplicaRouter(EngineClient):
             rec = self._inflight.get(out.request_id)
             if rec is not None:
                 rec.queue.put_nowait(out)
+
+    @staticmethod
+    def _move(rec: _InFlight, target: ReplicaState) -> None:
+        rec.replica.load -= 1
+        rec.replica.work -= rec.prefill + rec.decode
+        rec.replica = target
+        target.load += 1
+        rec.charge(target)
 
     async def _resume(self, rec: _InFlight) -> None:
         """Send a request whose engine died to another (or the restarted) one, from where it stood."""
@@ -243,9 +337,7 @@ class ReplicaRouter(EngineClient):
             rec.queue.put_nowait(EngineUnavailableError(error))
             return
         state = self.processor.resume_state(rid, rec.seed)
-        rec.replica.load -= 1
-        rec.replica = target
-        target.load += 1
+        self._move(rec, target)
         logger.info("resuming request %s on replica %d (attempt %d)", rid, target.index, rec.attempts)
         try:
             await target.actor.add_request.remote(self.client_id, dataclasses.replace(rec.request, resume=state))
@@ -263,29 +355,46 @@ class ReplicaRouter(EngineClient):
             return await asyncio.to_thread(self.input_processor.process, request_id, prompt, params, cache_salt)
         return self.input_processor.process(request_id, prompt, params, cache_salt)
 
-    async def generate(self, prompt: str | None, request: EngineCoreRequest,
-                       stream: bool = True) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
+    async def generate(self, prompt: str | None, request: EngineCoreRequest, stream: bool = True,
+                       session_id: str | None = None) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
         request_id = request.request_id
         if request_id in self._inflight:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
-        rec = _InFlight(request, asyncio.Queue(), self._pick())
+        pick = self._route(request, session_id)
+        max_tokens = request.sampling_params.max_tokens or DECODE_ESTIMATE_CAP
+        rec = _InFlight(request, asyncio.Queue(), pick.replica,
+                        prefill=len(request.prompt_token_ids) - pick.num_cached_tokens,
+                        decode=min(max_tokens, DECODE_ESTIMATE_CAP))
         self._inflight[request_id] = rec
         rec.replica.load += 1
+        rec.charge(rec.replica)
         finished = False
         try:
             self.processor.add_request(request_id, prompt, request.prompt_token_ids, request.params, stream,
                                        delta=True)
-            i = rec.replica.index
-            try:
-                rec.seed = await rec.replica.actor.add_request.remote(self.client_id, request)
-            except ray.exceptions.RayTaskError as e:
-                cause = unwrap(e)
-                if isinstance(cause, (ValueError, OverloadedError, EngineUnavailableError)):
-                    finished = True  # nothing was queued
-                    raise cause from None
-                raise EngineUnavailableError(f"model replica {i} failed: {type(cause).__name__}") from None
-            except ray.exceptions.RayError as e:
-                raise EngineUnavailableError(f"model replica {i} is unavailable: {type(e).__name__}") from None
+            tried: set[int] = set()
+            while True:
+                i = rec.replica.index
+                try:
+                    rec.seed = await rec.replica.actor.add_request.remote(self.client_id, request)
+                    break
+                except ray.exceptions.RayTaskError as e:
+                    cause = unwrap(e)
+                    if isinstance(cause, (ValueError, OverloadedError, EngineUnavailableError)):
+                        finished = True  # nothing was queued
+                        raise cause from None
+                    raise EngineUnavailableError(f"model replica {i} failed: {type(cause).__name__}") from None
+                except ray.exceptions.RayActorError as e:
+                    # Its actor died before its stream told us: nothing was queued there, another replica takes it.
+                    tried.add(i)
+                    others = [r for r in self.replicas if r.serving and r.index not in tried]
+                    if not others:
+                        raise EngineUnavailableError(f"model replica {i} is unavailable: {type(e).__name__}") from None
+                    self._move(rec, min(others, key=lambda r: r.load))
+                    if session_id is not None:
+                        self._sessions[session_id] = rec.replica.index
+                except ray.exceptions.RayError as e:
+                    raise EngineUnavailableError(f"model replica {i} is unavailable: {type(e).__name__}") from None
             while True:
                 item = await rec.queue.get()
                 if isinstance(item, BaseException):
@@ -295,12 +404,14 @@ class ReplicaRouter(EngineClient):
                     raise EngineUnavailableError(f"{rec.error}; retry the request" if rec.error else
                                                  "the model workers failed under this request repeatedly; retry it")
                 finished = item.finished
+                rec.settle(sum(len(c.token_ids) for c in item.outputs) if isinstance(item, RequestOutput) else 0)
                 yield item
                 if finished:
                     return
         finally:
             self._inflight.pop(request_id, None)
             rec.replica.load -= 1
+            rec.release()
             self.processor.abort(request_id)
             if not finished and rec.replica.alive:
                 rec.replica.actor.abort.remote([request_id])
@@ -343,7 +454,11 @@ class ReplicaRouter(EngineClient):
                     out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
                 for smp in fam.samples:
                     out.add_sample(smp.name, {"replica": label, **smp.labels}, smp.value, smp.timestamp)
-        return [up, expected, *merged.values()]
+        decisions = CounterMetricFamily("pagedserve_routing_decisions", "Requests routed, by policy and reason.",
+                                        labels=["policy", "reason"])
+        for reason, n in list(self.decisions.items()):
+            decisions.add_metric([self.policy.name, reason], n)
+        return [up, expected, decisions, *merged.values()]
 
     async def close(self) -> None:
         for t in self._pumps:

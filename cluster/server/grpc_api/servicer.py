@@ -19,6 +19,14 @@ from pagedserve.proto.v1 import generation_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
+def _session_id(context: grpc.aio.ServicerContext) -> str | None:
+    """The ``x-session-id`` metadata: the session's requests stick to one replica (see the router)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-session-id" and value:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, state: ServingState) -> None:
         self.state = state
@@ -31,7 +39,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             # aclosing: a cancelled call closes the engine stream at once, which aborts the request and frees its
             # blocks, rather than whenever the abandoned generators are collected.
             with self.state.request_slot():
-                async with aclosing(self._generate(request, timer)) as responses:
+                async with aclosing(self._generate(request, timer, _session_id(context))) as responses:
                     async for resp in responses:
                         admitted = True
                         finished = resp.finished
@@ -55,7 +63,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if admitted and not finished:  # cancelled or deadline (abort), or failed (error)
                 timer.finished("error" if code is not None else "abort")
 
-    async def _generate(self, request: pb.GenerateRequest, timer: RequestTimer):
+    async def _generate(self, request: pb.GenerateRequest, timer: RequestTimer, session_id: str | None):
         engine = self.state.ready_engine()
         parsed = params_from_proto(request)
         rid = request.request_id or uuid.uuid4().hex
@@ -66,7 +74,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         plp = getattr(parsed.params, "prompt_logprobs", None) or 0
         builder = ResponseBuilder(rid, num_prompt_tokens, lp, plp)
         admitted = False
-        async with aclosing(engine.generate(text, core_request, parsed.stream)) as outputs:
+        async with aclosing(engine.generate(text, core_request, parsed.stream, session_id)) as outputs:
             async for out in outputs:
                 if not admitted:
                     admitted = True

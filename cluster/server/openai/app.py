@@ -163,12 +163,13 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
     @app.post("/v1/completions", dependencies=deps, response_model=CompletionResponse,
               responses={200: {"content": _EVENT_STREAM}, **generation_errors})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await _generation(request, completions.create(body), COMPLETION_FIELDS)
+        return await _generation(request, completions.create(body, request.headers.get("x-session-id")),
+                                 COMPLETION_FIELDS)
 
     @app.post("/v1/chat/completions", dependencies=deps, response_model=ChatCompletionResponse,
               responses={200: {"content": _EVENT_STREAM}, **generation_errors})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _generation(request, chat.create(body), CHAT_FIELDS)
+        return await _generation(request, chat.create(body, request.headers.get("x-session-id")), CHAT_FIELDS)
 
     @app.get("/v1/models", dependencies=deps, response_model=ModelList, responses=error_statuses(*auth, 503))
     async def list_models() -> ModelList:

@@ -143,6 +143,7 @@ class GenerationRun:
         self._outputs: AsyncGenerator[tuple[int, Output], None] | None = None
         self._first: asyncio.Future | None = None
         self._closed = False
+        self.session_id: str | None = None  # the x-session-id header or the ``user`` field: routing affinity
 
     def admit(self) -> None:
         """Raises OverloadedError past --max-concurrent-requests."""
@@ -159,7 +160,7 @@ class GenerationRun:
         return self._outputs
 
     async def _run(self, engine: EngineClient, stream: bool) -> AsyncGenerator[tuple[int, Output], None]:
-        streams = [engine.generate(p.text, p.request, stream) for p in self.prompts]
+        streams = [engine.generate(p.text, p.request, stream, self.session_id) for p in self.prompts]
         lens = [len(p.token_ids) for p in self.prompts]
         remaining, reason = len(streams), None
         async with aclosing(_merge(streams)) as merged:

@@ -51,7 +51,7 @@ class ChatServing:
         # The template writes any BOS itself, so nothing is added here (as vLLM tokenizes chat prompts).
         return text, self.state.tokenizer.encode(text, add_special_tokens=False) if text else []
 
-    async def create(self, req: ChatCompletionRequest) -> Response:
+    async def create(self, req: ChatCompletionRequest, session_id: str | None = None) -> Response:
         engine = self.state.ready_engine()
         model = served_model(self.state, req.model)
         size = sum(len(m.text()) for m in req.messages)
@@ -71,6 +71,7 @@ class ChatServing:
         params = build_params(req, max_tokens, k, req.prompt_logprobs)
         rid = new_request_id(req.request_id)
         run = GenerationRun(self.state)
+        run.session_id = session_id or req.user
         handed_off = False
         try:
             run.admit()

@@ -68,7 +68,7 @@ class CompletionServing:
     def __init__(self, state: ServingState) -> None:
         self.state = state
 
-    async def create(self, req: CompletionRequest) -> Response:
+    async def create(self, req: CompletionRequest, session_id: str | None = None) -> Response:
         engine = self.state.ready_engine()
         model = served_model(self.state, req.model)
         prompts = _prompts(req.prompt)
@@ -78,6 +78,7 @@ class CompletionServing:
         params = build_params(req, req.max_tokens, req.logprobs, plp, req.best_of)
         rid = new_request_id(req.request_id)
         run = GenerationRun(self.state)
+        run.session_id = session_id or req.user
         handed_off = False
         try:
             run.admit()
