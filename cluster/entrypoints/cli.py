@@ -12,6 +12,8 @@ import sys
 COMMANDS = {
     "generate": ("pagedserve.cluster.entrypoints.generate", "complete prompts offline and print the text"),
     "serve": ("pagedserve.cluster.entrypoints.serve", "serve the model over gRPC on a Ray cluster"),
+    "gateway": ("pagedserve.cluster.entrypoints.gateway",
+                "serve the replicas of a running cluster (another `serve`'s) from one more gateway"),
     "client": ("pagedserve.cluster.entrypoints.client_cli",
                "send a prompt to a running server and print the completion"),
     "health": ("pagedserve.cluster.entrypoints.health", "print a server's gRPC health; exit 0 if SERVING"),

@@ -1,9 +1,14 @@
 """Start the model replicas of a serving cluster: per replica one placement group (STRICT_PACK, so a replica never
-spans nodes) holding its engine-core actor and, with tensor parallelism, one bundle per TP rank."""
+spans nodes) holding its engine-core actor and, with tensor parallelism, one bundle per TP rank.
+
+Replicas launched with a ``name`` are detached named actors in the ``NAMESPACE`` Ray namespace, called
+``<name>-replica-<i>``: they outlive the gateway that launched them, and more gateways attach to them by name
+(``attach_replicas``), each with its own output stream from every replica."""
 from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import ray
@@ -19,23 +24,34 @@ logger = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3
 CORE_ACTOR_CPUS = 0.05  # the engine-core actor of a TP group; its ranks hold the real CPUs
+NAMESPACE = "pagedserve"
+_NAME = re.compile(r"^(?P<model>.+)-replica-(?P<index>\d+)$")
 
 
 @dataclass
 class Replica:
     index: int
     actor: ray.actor.ActorHandle
-    placement_group: object
+    placement_group: object  # None for a replica this process attached to (its launcher owns it)
+
+
+def replica_name(model_name: str, index: int) -> str:
+    return f"{model_name}-replica-{index}"
 
 
 def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_requests: int | None = None,
-                    step_timeout: float | None = None) -> list[Replica]:
+                    step_timeout: float | None = None, name: str | None = None) -> list[Replica]:
     """Start ``data_parallel_size`` replicas and warm them up; raises if they cannot be placed or loaded, or if a
-    replica's model fails its warm-up request (``EngineUnavailableError`` with the model's error)."""
+    replica's model fails its warm-up request (``EngineUnavailableError`` with the model's error). ``name``: the
+    served model's name, making the replicas detached named actors (see the module's doc)."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
     config = args.create_engine_config()  # validates the model dir and the TP split before any actor starts
     ensure_ray(args.ray_address)
+    if name is not None:
+        if attach_replicas(name):
+            raise ValueError(f"replicas of {name!r} already run in this Ray cluster (namespace {NAMESPACE!r}); stop "
+                             "that server, or pick another --served-model-name")
     tp = config.parallel_config.tensor_parallel_size
     gpu = config.device == "cuda"
     in_actor = config.parallel_config.distributed_executor_backend == "uni"
@@ -50,9 +66,12 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
                 cpu = rank_cpus(tp * data_parallel_size, gpu, CORE_ACTOR_CPUS * data_parallel_size)
                 bundles = [{"CPU": CORE_ACTOR_CPUS}] + [rank_bundle(cpu, gpu)] * tp
                 opts = {"num_cpus": CORE_ACTOR_CPUS}
-            pg = make_placement_group(bundles, f"replica{i}")
+            pg = make_placement_group(bundles, f"replica{i}", detached=name is not None)
             threads = max(1, (os.cpu_count() or 1) // data_parallel_size) if in_actor else 1
+            named = {} if name is None else {"name": replica_name(name, i), "namespace": NAMESPACE,
+                                             "lifetime": "detached"}
             actor = ray.remote(EngineCoreActor).options(
+                **named,
                 # Ray restarts a dead engine-core actor (its TP workers die with it; the new one rebuilds them).
                 **opts, max_concurrency=10_000, max_restarts=MAX_RESTARTS,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
@@ -66,6 +85,27 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
         raise
     logger.info("%d replica(s) ready (tensor_parallel_size=%d)", len(replicas), tp)
     return replicas
+
+
+def find_served_model(model_name: str | None = None) -> str | None:
+    """``model_name`` if named replicas of it run in this Ray cluster, else None; ``model_name`` None: the one model
+    they serve (ValueError if they serve several)."""
+    found = {m["model"] for e in ray.util.list_named_actors(all_namespaces=True)
+             if e["namespace"] == NAMESPACE and (m := _NAME.match(e["name"])) is not None}
+    if model_name is not None:
+        return model_name if model_name in found else None
+    if len(found) > 1:
+        raise ValueError(f"this Ray cluster serves several models ({', '.join(sorted(found))}); name one with "
+                         "--served-model-name")
+    return next(iter(found), None)
+
+
+def attach_replicas(model_name: str) -> list[Replica]:
+    """The named replicas of ``model_name`` running in this Ray cluster, in index order ([] if none)."""
+    indices = sorted(int(m["index"]) for e in ray.util.list_named_actors(all_namespaces=True)
+                     if e["namespace"] == NAMESPACE and (m := _NAME.match(e["name"])) is not None
+                     and m["model"] == model_name)
+    return [Replica(i, ray.get_actor(replica_name(model_name, i), namespace=NAMESPACE), None) for i in indices]
 
 
 def _warm_up(replicas: list[Replica]) -> None:
@@ -90,4 +130,5 @@ def shutdown_replicas(replicas: list[Replica]) -> None:
         except Exception as e:  # already dead: its workers die with their placement group
             logger.debug("replica %d shutdown: %s", r.index, e)
         ray.kill(r.actor, no_restart=True)
-        remove_placement_group(r.placement_group)
+        if r.placement_group is not None:
+            remove_placement_group(r.placement_group)

@@ -19,18 +19,21 @@ class Gateway:
     def __init__(self, tokenizer, metrics: GatewayMetrics, host: str = "0.0.0.0", port: int = 50051,
                  api_key: str | None = None, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
                  max_concurrent_requests: int = 4096, http_port: int | None = None,
-                 chat_template: str | None = None) -> None:
-        """``http_port``: None serves no HTTP API (0: a free port)."""
+                 chat_template: str | None = None, reuse_port: bool = False, gateway_id: str | None = None) -> None:
+        """``http_port``: None serves no HTTP API (0: a free port). ``reuse_port``: share the ports with other gateway
+        processes (SO_REUSEPORT); ``gateway_id``: names this one in HTTP responses' x-pagedserve-gateway header."""
         if max_concurrent_requests < 1:
             raise ValueError(f"max_concurrent_requests must be at least 1, got {max_concurrent_requests}")
         self.metrics = metrics
         self.metrics_port: int | None = None
         self.state = ServingState(tokenizer, metrics, max_concurrent_requests)
-        self.grpc = GrpcServer(self.state, host, port, api_key, ssl_certfile, ssl_keyfile)
+        self.gateway_id = gateway_id
+        self.grpc = GrpcServer(self.state, host, port, api_key, ssl_certfile, ssl_keyfile, reuse_port)
         self.port = self.grpc.port
         self.http = None
         if http_port is not None:
-            self.http = HttpServer(self.state, host, http_port, api_key, ssl_certfile, ssl_keyfile, chat_template)
+            self.http = HttpServer(self.state, host, http_port, api_key, ssl_certfile, ssl_keyfile, chat_template,
+                                   reuse_port, gateway_id)
         self.http_port = self.http.port if self.http else None
 
     async def start(self) -> None:

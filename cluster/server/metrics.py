@@ -13,14 +13,16 @@ from pagedserve.engine.protocol import EngineClient
 
 
 class EngineCollector:
-    """The engine client's metric families, each sample labelled with the served model's name."""
+    """The engine client's metric families, each sample labelled with the served model's name. ``enabled``
+    False: none (where several gateways share the replicas, one exports their series, so none is counted twice)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, enabled: bool = True) -> None:
         self.model_name = model_name
+        self.enabled = enabled
         self.engine: EngineClient | None = None  # once the replicas are up
 
     def collect(self):
-        if self.engine is None:
+        if self.engine is None or not self.enabled:
             return
         for fam in self.engine.collect_metrics():
             out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
@@ -39,11 +41,11 @@ class GatewayMetrics:
     """Request metrics, labelled ``model_name`` and ``protocol`` ("grpc" or "http"). Errors carry gRPC's canonical
     code names for both protocols (an HTTP 400 counts as INVALID_ARGUMENT, a 429 as RESOURCE_EXHAUSTED, ...)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, engine_metrics: bool = True) -> None:
         self.model_name = model_name
         self._http = None
         self.registry = CollectorRegistry(auto_describe=True)
-        self.engines = EngineCollector(model_name)
+        self.engines = EngineCollector(model_name, engine_metrics)
         self.registry.register(self.engines)
         m, reg = ["model_name", "protocol"], dict(registry=self.registry)
         self.finished = Counter("pagedserve_requests_finished", "Requests finished, by reason: stop, length, "

@@ -39,12 +39,13 @@ def rank_bundle(cpu: float, gpu: bool) -> dict[str, float]:
     return {"GPU": 1, "CPU": cpu} if gpu else {"CPU": cpu}
 
 
-def make_placement_group(bundles: list[dict[str, float]], role: str) -> PlacementGroup:
+def make_placement_group(bundles: list[dict[str, float]], role: str, detached: bool = False) -> PlacementGroup:
     """One engine's resources on one node (a TP group never spans nodes). ``role`` names it, so that an engine
     that cannot be placed can say which others hold the resources. Raises RuntimeError saying why, within
-    ``HELD_CHECK_S`` when other placement groups hold what it needs, else after ``PLACEMENT_TIMEOUT_S``."""
+    ``HELD_CHECK_S`` when other placement groups hold what it needs, else after ``PLACEMENT_TIMEOUT_S``.
+    ``detached``: it outlives the process that made it (removed with ``remove_placement_group``)."""
     name = f"pagedserve-{role}-pid{os.getpid()}-{next(_names)}"
-    pg = placement_group(bundles, strategy="STRICT_PACK", name=name)
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=name, lifetime="detached" if detached else None)
     start = time.monotonic()
     while True:
         try:

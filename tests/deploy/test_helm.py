@@ -498,3 +498,19 @@ def test_default_values_render():
     assert one(docs, "Deployment")["spec"]["replicas"] == 1
     for d in docs:
         validate_k8s(d)
+
+
+def test_kuberay_gateway_deployment():
+    """Off by default; on, a Deployment of `pagedserve gateway` pods (replicas: 2) attached to the head's Ray and
+    selected by the same Service as the head's gateway."""
+    assert not [d for d in objects("kuberay-dp2") if d["kind"] == "Deployment"]
+    docs = objects_for(merged("kuberay-dp2", **{"kuberay.gateways.enabled": True}))
+    dep = one(docs, "Deployment")
+    validate_k8s(dep)
+    assert dep["spec"]["replicas"] == 2
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][1] == "gateway" and flags(c)["ray-address"].endswith("-head-svc:6379")
+    assert {e["name"] for e in c["env"]} >= {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
+    svc = one(docs, "Service")
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())

@@ -40,10 +40,13 @@ def server_options(max_concurrent_requests: int) -> list[tuple[str, int]]:
 
 class GrpcServer:
     def __init__(self, state: ServingState, host: str, port: int, api_key: str | None = None,
-                 ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
+                 ssl_certfile: str | None = None, ssl_keyfile: str | None = None, reuse_port: bool = False) -> None:
+        """``reuse_port``: SO_REUSEPORT, so that several gateway processes share the port (the kernel spreads new
+        connections over them)."""
         interceptors = [ApiKeyInterceptor(api_key, state.metrics)] if api_key else []
         interceptors.append(ParseErrorInterceptor())
-        self.server = grpc.aio.server(interceptors=interceptors, options=server_options(state.max_concurrent_requests))
+        self.server = grpc.aio.server(interceptors=interceptors, options=server_options(state.max_concurrent_requests)
+                                     + ([("grpc.so_reuseport", 1)] if reuse_port else []))
         self.servicer = GenerationServicer(state)
         pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
         self.health = health_aio.HealthServicer()

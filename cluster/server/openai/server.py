@@ -15,10 +15,13 @@ from pagedserve.cluster.server.state import ServingState
 logger = logging.getLogger(__name__)
 
 
-def bind(host: str, port: int) -> socket.socket:
+GATEWAY_HEADER = b"x-pagedserve-gateway"
+
+
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        sock = socket.create_server((host, port), family=family, backlog=2048)
+        sock = socket.create_server((host, port), family=family, backlog=2048, reuse_port=reuse_port)
     except OSError as e:
         raise OSError(f"cannot listen on {host}:{port} for HTTP: {e}") from None
     sock.setblocking(False)
@@ -28,17 +31,21 @@ def bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     def __init__(self, state: ServingState, host: str, port: int, api_key: str | None = None,
                  ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, reuse_port: bool = False, gateway_id: str | None = None) -> None:
+        """``reuse_port``: see ``GrpcServer``; ``gateway_id``: sent in every response's x-pagedserve-gateway header
+        (which of several gateway processes answered)."""
         if bool(ssl_certfile) != bool(ssl_keyfile):
             raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
         self.app = build_app(state, api_key, load_chat_template(chat_template))
+        if gateway_id is not None:
+            self.app = _tag_responses(self.app, gateway_id.encode())
         # lifespan off: the gateway owns start-up and shutdown. No access log: a line per request costs the event
         # loop that streams tokens.
         self.config = uvicorn.Config(self.app, host=host, port=port, loop="none", http="httptools", ws="none",
                                      lifespan="off", access_log=False, log_level="warning", ssl_certfile=ssl_certfile,
                                      ssl_keyfile=ssl_keyfile, timeout_keep_alive=30)
         self.server = uvicorn.Server(self.config)
-        self.sock = bind(host, port)
+        self.sock = bind(host, port, reuse_port)
         self.port = self.sock.getsockname()[1]
         self.scheme = "https" if ssl_certfile else "http"
         self._ticker: asyncio.Task | None = None
@@ -61,3 +68,19 @@ class HttpServer:
         await self._ticker
         self.config.timeout_graceful_shutdown = grace
         await self.server.shutdown(sockets=[self.sock])
+
+
+def _tag_responses(app, value: bytes):
+    """The ASGI app with a header naming this gateway added to every HTTP response."""
+    async def tagged(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (GATEWAY_HEADER, value)]}
+            await send(message)
+
+        return await app(scope, receive, send_tagged)
+
+    return tagged

@@ -1,0 +1,219 @@
+"""``pagedserve gateway``: a gateway process attached to the named replicas of a running cluster (those a ``pagedserve
+serve`` launched): the same gRPC and HTTP servers as ``serve``'s, its own router and its own output stream from every
+replica. ``serve --api-server-count N`` runs N of these on shared ports (SO_REUSEPORT)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+import uvloop
+
+from pagedserve.cluster.runtime.replicas import NAMESPACE, Replica, attach_replicas, find_served_model
+from pagedserve.cluster.runtime.router import ReplicaRouter
+from pagedserve.cluster.runtime.routing import (
+    DEFAULT_BALANCE_FACTOR,
+    POLICIES,
+    RoutingPolicy,
+    default_policy,
+    make_policy,
+)
+from pagedserve.cluster.server.gateway import Gateway
+from pagedserve.cluster.server.metrics import GatewayMetrics
+from pagedserve.cluster.server.state import ModelInfo
+from pagedserve.engine.gc_heap import freeze_gc_heap
+from pagedserve.engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HTTP_PORT = 8000
+ATTACH_POLL_S = 2.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class ServeOptions:
+    """The server's own options (the engine's are ``EngineArgs``)."""
+
+    host: str = "0.0.0.0"
+    port: int = 50051
+    api_key: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    data_parallel_size: int = 1
+    max_waiting_requests: int | None = None
+    max_concurrent_requests: int = 4096  # over all protocols; beyond it RESOURCE_EXHAUSTED / HTTP 429 at once
+    step_timeout: float = 120.0  # an engine step making no progress this long restarts the engine; 0: never
+    drain_timeout: float = 30.0
+    served_model_name: str | None = None
+    metrics_port: int = 9400  # 0: no /metrics endpoint
+    # The OpenAI-compatible HTTP API; 0: none. `pagedserve serve --http-port` defaults to 8000; code that builds its
+    # own options (the demo, tests) opts in.
+    http_port: int = 0
+    chat_template: str | None = None  # a file (or an inline template) overriding the tokenizer's chat template
+    api_server_count: int = 1  # gateway processes sharing the ports; 1: the gateway runs in serve's own process
+    # Launch the replicas as detached named actors that `pagedserve gateway` can attach to. `pagedserve serve` does;
+    # code that builds its own options (the demo, tests, several servers of one model in one cluster) opts in.
+    name_replicas: bool = False
+    routing_policy: str | None = None  # None: prefix-aware with several replicas, else least-loaded
+    routing_balance_factor: float = DEFAULT_BALANCE_FACTOR
+
+    def __post_init__(self) -> None:
+        if self.routing_policy is not None and self.routing_policy not in POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(POLICIES)}, got {self.routing_policy!r}")
+
+    def make_policy(self, num_replicas: int) -> RoutingPolicy:
+        return make_policy(self.routing_policy or default_policy(num_replicas), self.routing_balance_factor)
+
+
+@dataclass
+class GatewaySpec:
+    """One attached gateway (picklable: ``serve --api-server-count`` hands it to each gateway process it spawns)."""
+
+    opts: ServeOptions
+    ray_address: str
+    tokenizer: str | None = None  # default: the model directory the replicas report
+    reuse_port: bool = False
+    # Export the replicas' own series on /metrics: exactly one gateway per cluster should, so none is counted twice.
+    engine_metrics: bool = True
+    log_level: str = "INFO"
+
+
+async def run_gateway(spec: GatewaySpec, stop: asyncio.Event | None = None,
+                      on_ready: Callable[[Gateway], None] | None = None) -> None:
+    """Attach to the replicas (waiting for them to appear), serve until ``stop`` (default: SIGTERM or SIGINT), drain.
+    The replicas are left running: their launcher owns them."""
+    opts = spec.opts
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    if not ray.is_initialized():
+        ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    found = asyncio.ensure_future(_wait_for_replicas(opts.served_model_name))
+    await asyncio.wait([found, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if not found.done():
+        found.cancel()
+        return
+    name, replicas = found.result()
+    infos = await asyncio.gather(*[r.actor.get_info.remote() for r in replicas])
+    tokenizer = load_tokenizer(spec.tokenizer or infos[0].model)
+    metrics = GatewayMetrics(name, spec.engine_metrics)
+    gateway = Gateway(tokenizer, metrics, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
+                      opts.max_concurrent_requests, opts.http_port or None, opts.chat_template, spec.reuse_port,
+                      f"{socket.gethostname()}/{os.getpid()}")
+    engine = None
+    try:
+        await gateway.start()
+        if opts.metrics_port:
+            gateway.metrics_port = metrics.start_http_server(opts.metrics_port, opts.host)
+        engine = ReplicaRouter(replicas, tokenizer, infos, opts.make_policy(len(replicas)))
+        engine.start()
+        freeze_gc_heap()
+        await gateway.set_ready(engine, ModelInfo(name, engine.info, len(replicas)))
+        logger.info("gateway %s ready: serving %s on %s:%d (gRPC), HTTP port %s, metrics port %s (%d replica(s))",
+                    gateway.gateway_id, name, opts.host, gateway.port, gateway.http_port, gateway.metrics_port,
+                    len(replicas))
+        if on_ready is not None:
+            on_ready(gateway)
+        await stop.wait()
+        logger.info("gateway %s draining (up to %.0f s)", gateway.gateway_id, opts.drain_timeout)
+    finally:
+        await gateway.drain(opts.drain_timeout if engine else 0.0)
+        if engine is not None:
+            await engine.close()
+        logger.info("gateway %s stopped", gateway.gateway_id)
+
+
+async def _wait_for_replicas(model_name: str | None) -> tuple[str, list[Replica]]:
+    waited = 0.0
+    while True:
+        name = await asyncio.to_thread(find_served_model, model_name)
+        replicas = await asyncio.to_thread(attach_replicas, name) if name is not None else []
+        if replicas:
+            return name, replicas
+        if waited % 30 < ATTACH_POLL_S:
+            logger.info("waiting for the replicas of %s to appear in Ray namespace %r", model_name or "a model",
+                        NAMESPACE)
+        await asyncio.sleep(ATTACH_POLL_S)
+        waited += ATTACH_POLL_S
+
+
+def gateway_process_main(spec: GatewaySpec) -> None:
+    """A spawned gateway process: ends when its supervisor dies (SIGTERM from the kernel, then a drain)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    logging.basicConfig(level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvloop.run(run_gateway(spec))
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Drained and closed: skip the interpreter's teardown, where Ray's and gRPC's threads can crash the process."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The flags of the gateway's servers (``serve`` and ``gateway`` share them)."""
+    d = ServeOptions()
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port, help="gRPC port")
+    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require 'authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    g.add_argument("--ssl-certfile", default=None)
+    g.add_argument("--ssl-keyfile", default=None)
+    g.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+                   help="generation requests in flight at once over all protocols; beyond it RESOURCE_EXHAUSTED "
+                        "(HTTP 429) at once")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="seconds running requests get on SIGTERM")
+    g.add_argument("--served-model-name", default=None, help="the model_name label and GetModelInfo name")
+    g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0: off)")
+    g.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                   help="port of the OpenAI-compatible HTTP API (0: off); same key, TLS files and limits as gRPC")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template file (Jinja) for /v1/chat/completions, overriding the tokenizer's")
+    g.add_argument("--routing-policy", choices=POLICIES, default=None,
+                   help="how requests pick a replica (default: prefix-aware with more than one replica, else "
+                        "least-loaded)")
+    g.add_argument("--routing-balance-factor", type=float, default=d.routing_balance_factor,
+                   help="prefix-aware: a replica's score is its uncached prompt tokens plus this times its queued "
+                        "and running work in tokens; higher spreads a hot prefix sooner, 0 routes by cache alone")
+    return g
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"),
+                   help="the Ray cluster whose replicas to serve (default: $RAY_ADDRESS)")
+    p.add_argument("--tokenizer", default=None, help="default: the model directory the replicas report")
+    p.add_argument("--engine-metrics", action="store_true",
+                   help="also export the replicas' series on /metrics (off: the serve process exports them)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="share the ports with other gateway processes on this host (SO_REUSEPORT)")
+    add_server_args(p)
+
+
+def run(ns: argparse.Namespace) -> int:
+    if not ns.ray_address:
+        raise ValueError("--ray-address (or $RAY_ADDRESS) is required: the cluster whose replicas to serve")
+    fields = {f.name for f in dataclasses.fields(ServeOptions)}
+    opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in fields})
+    spec = GatewaySpec(opts, ns.ray_address, ns.tokenizer, ns.reuse_port, ns.engine_metrics,
+                       logging.getLevelName(logging.getLogger().level))
+    uvloop.run(run_gateway(spec))
+    _exit_now()
+    return 0
