@@ -80,7 +80,7 @@ def ray_cluster():
     import ray
 
     # Logical CPUs: the gateway tests' replicas and the TP tests' ranks must not wait on each other.
-    ray.init(num_cpus=8, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, log_to_driver=False)  # never a cluster some other process left running
     yield ray
     ray.shutdown()
 
