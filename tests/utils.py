@@ -63,12 +63,16 @@ def _base(arch: str) -> tuple[str, dict]:
         "opt-350m-like": ("OPTConfig", dict(common, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                                             num_attention_heads=4, max_position_embeddings=256,
                                             word_embed_proj_dim=32, do_layer_norm_before=False, init_std=0.15)),
+        "mixtral": ("MixtralConfig", dict(llama, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+        "qwen3_moe": ("Qwen3MoeConfig", dict(llama, head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                             moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+                                             mlp_only_layers=[1], use_sliding_window=False)),
     }
     return table[arch]
 
 
 ARCHS = ["llama", "llama-mha-tied", "llama-rope-linear", "llama-rope-llama3", "mistral", "qwen2", "gpt2",
-         "gpt_neox", "gpt_neox-seq", "opt", "opt-350m-like"]
+         "gpt_neox", "gpt_neox-seq", "opt", "opt-350m-like", "mixtral", "qwen3_moe"]
 
 
 def make_model(path: str, arch: str, seed: int = 0, tokenizer_dir: str | None = None, **overrides) -> str:

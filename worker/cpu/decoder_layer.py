@@ -11,8 +11,10 @@ from pagedserve.worker.forward_context import get_attn_metadata
 
 def _layer_weights(layer: nn.Module) -> cpu_layer.LayerWeights | None:
     """One layer's weights for the C++ layer, or None where it does not apply: weights not packed in panels,
-    more than one tensor-parallel rank, or sizes the kernels do not take."""
+    more than one tensor-parallel rank, sizes the kernels do not take, or no dense gate/up MLP (a MoE block)."""
     att, mlp = layer.self_attn, layer.mlp
+    if getattr(mlp, "gate_up_proj", None) is None:
+        return None
     linears = [att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj]
     panels = [getattr(m, "panel_weight", None) for m in linears]
     rope, qkv = att.rotary_emb, att.qkv_proj
