@@ -7,7 +7,8 @@ one all-reduce of [tokens, hidden] per MoE layer: the same traffic as a row-para
 dispatch would only pay once tokens are sharded across ranks (data-parallel attention), which they are not here.
 
 On CPU the (token, expert) pairs are sorted by expert, each local expert runs one GEMM on its contiguous slice, and
-the weighted results are added back with ``index_add_``: one Python iteration per local expert, none per token.
+the weighted results are put back in token order and summed over the k choices: one Python iteration per local
+expert, none per token.
 """
 from __future__ import annotations
 
@@ -90,21 +91,20 @@ class SparseMoeBlock(nn.Module):
 
     def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """This rank's share: sum over local experts e of ``weight[t, e] * expert_e(x[t])`` for the tokens t routed
-        to e, grouped by expert (one GEMM per expert)."""
-        out = torch.zeros_like(x)
+        to e, grouped by expert (one GEMM per expert), summed over the k choices in fp32."""
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         token_of = order // self.top_k
         weight_of = weights.flatten()[order]
         bounds = torch.bincount(flat, minlength=self.num_experts).cumsum(0).tolist()
+        grouped = torch.zeros(flat.numel(), x.shape[-1], dtype=torch.float32, device=x.device)
         for e in self.expert_ids:
             start, end = (bounds[e - 1] if e else 0), bounds[e]
-            if start == end:
-                continue
-            tokens = token_of[start:end]
-            y = self.experts[str(e)](x[tokens])
-            out.index_add_(0, tokens, (y.float() * weight_of[start:end, None]).to(x.dtype))
-        return out
+            if start < end:  # index_select and slices, not x[idx] / index_add_: their parallel loops cost more here
+                y = self.experts[str(e)](x.index_select(0, token_of[start:end]))
+                grouped[start:end] = y.float() * weight_of[start:end, None]
+        per_choice = grouped.index_select(0, order.argsort())  # back to (token, k) order
+        return per_choice.view(-1, self.top_k, x.shape[-1]).sum(1).to(x.dtype)
 
 
 _EXPERT_PARAM = re.compile(r"^(.*\.experts)\.(\d+)\.")
