@@ -60,6 +60,7 @@ def main() -> None:
     prompts = [rng.integers(3, MOE_CONFIG["vocab_size"], args.prompt_len).tolist() for _ in range(args.requests)]
     out_lens = [args.output_len] * args.requests
     threads = torch.get_num_threads()
+    load_before = os.getloadavg()  # other processes on the cores skew both engines (worst for many small GEMMs)
     ours, theirs, vllm_error = [], [], None
     for _ in range(args.pairs):
         ours.append(run_pagedserve(model, prompts, out_lens, args.dtype))
@@ -82,7 +83,8 @@ def main() -> None:
            "all_runs": {"pagedserve": [r["output_tok_s"] for r in ours],
                         "vllm": [r["output_tok_s"] for r in theirs]},
            "same_greedy_tokens": (ours[0]["token_ids"] == theirs[0]["token_ids"]) if theirs else None,
-           "vllm_version": theirs[0]["vllm_version"] if theirs else None, "vllm_error": vllm_error}
+           "vllm_version": theirs[0]["vllm_version"] if theirs else None, "vllm_error": vllm_error,
+           "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     if best_theirs:
         print(f"MoE decode {args.dtype}: pagedserve {best_ours:.1f} tok/s, vLLM-CPU {best_theirs:.1f} tok/s "
               f"-> x{row['ratio']:.2f}")
