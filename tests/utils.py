@@ -86,13 +86,17 @@ def _base(arch: str) -> tuple[str, dict]:
                                             layer_types=["sliding_attention", "full_attention"],
                                             rope_theta=100000.0, rope_local_base_freq=10000.0,
                                             final_logit_softcapping=3.0, tie_word_embeddings=True)),
+        "mixtral": ("MixtralConfig", dict(llama, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+        "qwen3_moe": ("Qwen3MoeConfig", dict(llama, head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                             moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+                                             mlp_only_layers=[1], use_sliding_window=False)),
     }
     return table[arch]
 
 
 ARCHS = ["llama", "llama-mha-tied", "llama-rope-linear", "llama-rope-llama3", "mistral", "qwen2", "gpt2",
-         "gpt_neox", "gpt_neox-seq", "opt", "opt-350m-like", "qwen3", "phi3", "gemma2",
-         "gemma3"]
+         "gpt_neox", "gpt_neox-seq", "opt", "opt-350m-like", "qwen3", "phi3", "gemma2", "gemma3", "mixtral",
+         "qwen3_moe"]
 
 
 def make_model(path: str, arch: str, seed: int = 0, tokenizer_dir: str | None = None, **overrides) -> str:

@@ -53,9 +53,12 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_bias: bool, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, qkv_bias, o_bias, layer_idx)
-        self.mlp = LlamaMLP(config, mlp_bias)
+        self.mlp = self.make_mlp(config, mlp_bias, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config, bias: bool, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config, bias)  # subclasses swap in a sparse MoE block
 
     def forward(self, positions, x, residual):
         if residual is None:

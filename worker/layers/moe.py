@@ -1,0 +1,117 @@
+"""Sparse mixture-of-experts MLP with expert parallelism over the tensor-parallel ranks.
+
+Each rank holds whole experts (a contiguous range; counts differ by one when ``num_experts`` is not divisible by
+the TP size) and loads only their tensors. Tokens are already replicated on every rank after attention's
+all-reduce, so each rank runs its experts on the tokens routed to them and the partial outputs are summed with
+one all-reduce of [tokens, hidden] per MoE layer: the same traffic as a row-parallel linear. An all-to-all
+dispatch would only pay once tokens are sharded across ranks (data-parallel attention), which they are not here.
+
+On CPU the (token, expert) pairs are sorted by expert, each local expert runs one GEMM on its contiguous slice, and
+the weighted results are put back in token order and summed over the k choices: one Python iteration per local
+expert, none per token.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedserve.worker.layers.activation import SiluAndMul
+from pagedserve.worker.layers.linear import ReplicatedLinear
+from pagedserve.worker.parallel_state import all_reduce, get_tp_rank, get_tp_size
+
+
+def local_experts(num_experts: int, tp_rank: int, tp_size: int) -> range:
+    """The experts rank ``tp_rank`` holds: a contiguous range, the first ``num_experts % tp_size`` ranks one more."""
+    base, extra = divmod(num_experts, tp_size)
+    start = tp_rank * base + min(tp_rank, extra)
+    return range(start, start + base + (tp_rank < extra))
+
+
+@dataclass
+class Routing:
+    weights: torch.Tensor  # [tokens, top_k] float32
+    experts: torch.Tensor  # [tokens, top_k] int64
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Softmax over all experts in fp32, then top-k; ``renormalize`` rescales the k weights to sum to 1 (Mixtral
+    always, which equals a softmax over the top-k logits; Qwen3-MoE when ``norm_topk_prob``)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(weights, experts)
+
+
+class MergedReplicatedLinear(ReplicatedLinear):
+    """Gate and up projections of one expert stacked along the output dim, unsplit (the rank holds the expert)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int]) -> None:
+        super().__init__(input_size, sum(output_sizes), bias=False)
+        self.output_sizes = output_sizes
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: int = 0) -> None:
+        offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+        super().weight_loader(param.data.narrow(0, offset, size), loaded_weight)
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedReplicatedLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (replicated) + this rank's experts. Parameters are named ``gate.weight`` and
+    ``experts.<global expert id>.{gate_up_proj,down_proj}.weight``, so checkpoint names map one to one."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, round_weights: bool = False) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.round_weights = round_weights  # Qwen3-MoE rounds routing weights to the activation dtype, Mixtral not
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        self.expert_ids = local_experts(num_experts, get_tp_rank(), get_tp_size())
+        self.experts = nn.ModuleDict({str(e): Expert(hidden_size, intermediate_size) for e in self.expert_ids})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = select_experts(self.gate(x), self.top_k, self.renormalize)
+        weights = routing.weights.to(x.dtype).float() if self.round_weights else routing.weights
+        return all_reduce(self.run_experts(x, routing.experts, weights))
+
+    def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's share: sum over local experts e of ``weight[t, e] * expert_e(x[t])`` for the tokens t routed
+        to e, grouped by expert (one GEMM per expert), summed over the k choices in fp32."""
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        token_of = order // self.top_k
+        weight_of = weights.flatten()[order]
+        bounds = torch.bincount(flat, minlength=self.num_experts).cumsum(0).tolist()
+        grouped = torch.zeros(flat.numel(), x.shape[-1], dtype=torch.float32, device=x.device)
+        for e in self.expert_ids:
+            start, end = (bounds[e - 1] if e else 0), bounds[e]
+            if start < end:  # index_select and slices, not x[idx] / index_add_: their parallel loops cost more here
+                y = self.experts[str(e)](x.index_select(0, token_of[start:end]))
+                grouped[start:end] = y.float() * weight_of[start:end, None]
+        per_choice = grouped.index_select(0, order.argsort())  # back to (token, k) order
+        return per_choice.view(-1, self.top_k, x.shape[-1]).sum(1).to(x.dtype)
+
+
+_EXPERT_PARAM = re.compile(r"^(.*\.experts)\.(\d+)\.")
+
+
+def is_foreign_expert(model: nn.Module, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` (already renamed to our module path) belongs to an expert another rank
+    holds, so this rank skips it without reading it."""
+    m = _EXPERT_PARAM.match(name)
+    return m is not None and m.group(2) not in model.get_submodule(m.group(1))
