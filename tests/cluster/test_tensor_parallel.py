@@ -14,7 +14,7 @@ from pagedserve.worker.models.loader import load_model
 
 
 @pytest.mark.parametrize("arch, tp", [("llama-gqa8", 1), ("llama-gqa8", 2), ("llama-gqa8", 4), ("gpt2", 2),
-                                      ("gpt_neox", 4), ("opt", 2)])
+                                      ("gpt_neox", 4), ("opt", 2), ("mistral-swa", 2), ("qwen2-swa", 2)])
 def test_tp_greedy_matches_hf(ray_cluster, model_factory, arch, tp):
     model_dir = model_factory(arch)
     llm = LLM(model_dir, tensor_parallel_size=tp, distributed_executor_backend="ray")

@@ -42,7 +42,7 @@ def assert_close_greedy(ours: list[int], our_tops: list[set[int]], ref: list[int
     return min(len(ours), len(ref))
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-gqa8", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["llama", "llama-gqa8", "gpt_neox", "mistral-swa"])
 def test_bf16_greedy_close_to_hf_bf16(arch, model_factory):
     model_dir = model_factory(arch)
     prompts = random_prompts(5, seed=5, max_len=60)
