@@ -11,6 +11,7 @@ from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.config import RequestLimits
 from pagedserve.engine.core_types import EngineInfo
 from pagedserve.errors import EngineUnavailableError
+from pagedserve.outputs import EngineHealth
 
 
 def _info(num_kv_blocks: int) -> EngineInfo:
@@ -86,3 +87,30 @@ def test_a_waiting_request_gives_up_when_every_replica_is_gone(monkeypatch):
         return await asyncio.wait_for(waiter, 1.0)
 
     assert asyncio.run(run()) is None
+
+
+def test_a_failed_replica_is_routed_around_then_reported_with_its_error():
+    async def run() -> None:
+        router = _router(2)
+        error = "RuntimeError: 0 active drivers"
+        await router._deliver(router.replicas[0], [EngineHealth(healthy=False, reason=error, failed=True)])
+        assert router.healthy and router._pick().index == 1 and router.health_detail == ""
+        await router._deliver(router.replicas[1], [EngineHealth(healthy=False, reason=error, failed=True)])
+        assert not router.healthy
+        assert router.health_detail == f"replica 0 failed: {error}; replica 1 failed: {error}"
+        with pytest.raises(EngineUnavailableError, match="0 active drivers"):
+            router._pick()
+
+    asyncio.run(run())
+
+
+def test_a_rebuilding_replica_is_skipped_until_it_serves_again():
+    async def run() -> None:
+        router = _router(2)
+        router.replicas[1].load = 5
+        await router._deliver(router.replicas[0], [EngineHealth(healthy=False, reason="workers died")])
+        assert router._pick().index == 1 and router.replicas[0].error is None
+        await router._deliver(router.replicas[0], [EngineHealth(healthy=True)])
+        assert router._pick().index == 0
+
+    asyncio.run(run())
