@@ -209,6 +209,9 @@ class ReplicaRouter(EngineClient):
                 pick = dataclasses.replace(self.policy.pick(live, route), reason="affinity_fallback")
         if pick is None:
             pick = self.policy.pick(live, route)
+        # Counted as cached there before the replica's events say so: a burst of one tenant's first requests then
+        # follows the first instead of spreading over replicas that will each prefill the prefix again.
+        pick.replica.cached.update(route.block_hashes)
         if session_id is not None:
             self._sessions[session_id] = pick.replica.index
             self._sessions.move_to_end(session_id)

@@ -170,3 +170,12 @@ def test_routing_decisions_are_exported_by_policy_and_reason():
     values = {s.labels["reason"]: s.value for s in fam.samples}
     assert values == {"prefix_hit": 0, "balance": 0, "no_match": 1, "affinity": 0, "affinity_fallback": 0}
     assert {s.labels["policy"] for s in fam.samples} == {"prefix-aware"}
+
+
+def test_a_burst_of_one_tenant_follows_its_first_request_before_any_event():
+    router = _router(PrefixAware(balance_factor=0.0))
+    assert {_admit(router, SYSTEM + [i]) for i in range(6)} == {(0, "no_match"), (0, "prefix_hit")}
+    # An eviction the replica reports still takes the block out again.
+    h = prompt_block_hashes(SYSTEM, BS, None)
+    _deliver(router, 0, KVEventBatch([BlockRemoved(h[0])]))
+    assert router._route(_request(SYSTEM + [1])).num_cached_tokens == 0
