@@ -52,7 +52,7 @@ def main(model_dir: str) -> None:
 
 def test_data_parallel_replicas_on_separate_nodes(model_factory):
     model_dir = model_factory("llama-gqa8")
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.tests.test_multinode", model_dir],
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.tests.cluster.test_multinode", model_dir],
                           capture_output=True, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
