@@ -7,6 +7,13 @@ import os
 import textwrap
 
 import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from pagedserve import SamplingParams
+from pagedserve.engine.model_config import load_model_config
+from pagedserve.worker import parallel_state
+from pagedserve.worker.models.loader import load_model
 
 VOCAB = 331  # not divisible by 2 or 4, so vocab padding for TP is exercised
 EOS = 2
@@ -127,8 +134,6 @@ def _perturb_biases_and_norms(model, seed: int) -> None:
 
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, hf_model=None):
     """HF generate(): greedy tokens (through the first EOS) and the raw logprob of each."""
-    from transformers import AutoModelForCausalLM
-
     model = hf_model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
@@ -155,3 +160,49 @@ def assert_all_blocks_free(llm_or_engine) -> None:
     assert not sched.has_unfinished(), "requests still queued"
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
     assert all(c == 0 for c in bm.pool.ref_cnt), "non-zero reference counts remain"
+
+
+def assert_greedy_equals_hf(llm, model_dir: str, prompts: list[list[int]], max_tokens: int,
+                            logprob_tol: float | None = 1e-4) -> None:
+    """Greedy outputs of ``llm`` equal HF generate() at fp32, token for token (and each token's logprob within
+    ``logprob_tol``, unless None)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=None if logprob_tol is None else 0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        tokens, lps = hf_greedy(model_dir, p, max_tokens, hf)
+        assert o.outputs[0].token_ids == tokens, f"prompt {i} diverged from HF"
+        if logprob_tol is not None:
+            ours = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+            assert max(abs(a - b) for a, b in zip(ours, lps)) < logprob_tol
+
+
+def load_as_rank(model_dir: str, monkeypatch, rank: int, tp: int):
+    """The fp32 model as tensor-parallel rank ``rank`` of ``tp`` loads it (no process group: only the loading),
+    and the checkpoint's full tensors by name."""
+    cfg = load_model_config(model_dir, "float32", None, torch.device("cpu"))
+    monkeypatch.setattr(parallel_state, "_TP_RANK", rank)
+    monkeypatch.setattr(parallel_state, "_TP_SIZE", tp)
+    model = load_model(cfg, torch.device("cpu"))
+    with safe_open(cfg.weight_files[0], "pt") as f:
+        return model, {k: f.get_tensor(k) for k in f.keys()}
+
+
+def paged_case(q_lens, ctx_lens, gqa, block_size, head_size, dtype, seed, hkv=2, q_scale: float = 1.0):
+    """A packed batch over a shuffled block pool: sequence b has ctx_lens[b] cached tokens and q_lens[b] new ones.
+    Returns (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    k = torch.randn(blocks, block_size, hkv, head_size, generator=g).to(dtype)
+    v = torch.randn(blocks, block_size, hkv, head_size, generator=g).to(dtype)
+    perm = torch.randperm(blocks, generator=g)
+    table = torch.zeros(len(seq_lens), max(-(-n // block_size) for n in seq_lens), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(seq_lens):
+        nb = -(-n // block_size)
+        table[i, :nb] = perm[used: used + nb]
+        used += nb
+    q = (q_scale * torch.randn(sum(q_lens), hkv * gqa, head_size, generator=g)).to(dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, table, qsl, torch.tensor(seq_lens, dtype=torch.int32), head_size**-0.5

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from pagedserve import LLM, SamplingParams
-from pagedserve.tests.utils import hf_greedy, random_prompts
+from pagedserve import LLM
+from pagedserve.tests.utils import assert_greedy_equals_hf, random_prompts
 
 
 @pytest.mark.parametrize("arch, tp", [("llama-odd-hd80", 2), ("llama-odd-hd96", 3)])
@@ -16,10 +14,6 @@ def test_odd_shapes_tp_greedy_matches_hf(ray_cluster, model_factory, arch, tp):
     prompts = random_prompts(3, seed=90 + tp, max_len=20)
     llm = LLM(model_dir, tensor_parallel_size=tp, distributed_executor_backend="ray")
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8),
-                            use_tqdm=False)
+        assert_greedy_equals_hf(llm, model_dir, prompts, 8)
     finally:
         llm.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(model_dir, p, 8, hf)[0]

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.model_config import load_model_config
-from pagedserve.tests.utils import assert_all_blocks_free, hf_greedy, random_prompts
-from pagedserve.worker import parallel_state
-from pagedserve.worker.models.loader import load_model
+from pagedserve.tests.utils import (
+    assert_all_blocks_free,
+    assert_greedy_equals_hf,
+    hf_greedy,
+    load_as_rank,
+    random_prompts,
+)
 
 
 @pytest.mark.parametrize("arch, tp", [("llama-gqa8", 1), ("llama-gqa8", 2), ("llama-gqa8", 4), ("gpt2", 2),
@@ -19,15 +21,7 @@ def test_tp_greedy_matches_hf(ray_cluster, model_factory, arch, tp):
     model_dir = model_factory(arch)
     llm = LLM(model_dir, tensor_parallel_size=tp, distributed_executor_backend="ray")
     try:
-        prompts = random_prompts(6, seed=80 + tp)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=16, logprobs=0), use_tqdm=False)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        for p, o in zip(prompts, outs):
-            tokens, lps = hf_greedy(model_dir, p, 16, hf)
-            assert o.outputs[0].token_ids == tokens
-            ours = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-            assert max(abs(a - b) for a, b in zip(ours, lps)) < 1e-4
+        assert_greedy_equals_hf(llm, model_dir, random_prompts(6, seed=80 + tp), 16)
         assert_all_blocks_free(llm)
     finally:
         llm.shutdown()
@@ -47,12 +41,7 @@ def test_unsplittable_config_fails_before_any_actor(ray_cluster, model_factory):
 def test_rank_loads_only_its_shard(model_factory, monkeypatch):
     """Rank 1 of 2 holds exactly its rows/columns of each matrix (read through safetensors slices)."""
     model_dir = model_factory("llama-gqa8")
-    cfg = load_model_config(model_dir, "float32", None, torch.device("cpu"))
-    monkeypatch.setattr(parallel_state, "_TP_RANK", 1)
-    monkeypatch.setattr(parallel_state, "_TP_SIZE", 2)
-    model = load_model(cfg, torch.device("cpu"))
-    with safe_open(cfg.weight_files[0], "pt") as f:
-        full = {k: f.get_tensor(k) for k in f.keys()}
+    model, full = load_as_rank(model_dir, monkeypatch, rank=1, tp=2)
     layer = model.model.layers[0]
     qkv = layer.self_attn.qkv_proj.weight
     q, k = full["model.layers.0.self_attn.q_proj.weight"], full["model.layers.0.self_attn.k_proj.weight"]

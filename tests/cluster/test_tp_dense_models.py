@@ -3,11 +3,9 @@ sliding window)."""
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from pagedserve import LLM, SamplingParams
-from pagedserve.tests.utils import hf_greedy, random_prompts
+from pagedserve import LLM
+from pagedserve.tests.utils import assert_greedy_equals_hf, random_prompts
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma2", "gemma3"])
@@ -16,9 +14,6 @@ def test_tp2_greedy_matches_hf(ray_cluster, model_factory, arch):
     prompt = random_prompts(1, seed=60, min_len=30, max_len=30)[0]
     llm = LLM(model_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
     try:
-        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16),
-                           use_tqdm=False)[0]
+        assert_greedy_equals_hf(llm, model_dir, [prompt], 16)
     finally:
         llm.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, 16, hf)[0]

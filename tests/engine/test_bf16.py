@@ -42,6 +42,20 @@ def assert_close_greedy(ours: list[int], our_tops: list[set[int]], ref: list[int
     return min(len(ours), len(ref))
 
 
+def assert_bf16_close_to_hf(llm: LLM, model_dir: str, prompts: list[list[int]]) -> None:
+    """``llm``'s greedy bf16 outputs against HF's in bf16 by vLLM's rule, and enough equal tokens before any
+    divergence that a broken bf16 path cannot pass."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    matched = 0
+    for prompt, out in zip(prompts, outs):
+        ours = out.outputs[0]
+        ref, ref_tops = hf_greedy_top(hf, prompt)
+        matched += assert_close_greedy(ours.token_ids, [set(lp) for lp in ours.logprobs], ref, ref_tops)
+    assert matched >= len(prompts) * 3, f"only {matched} tokens equal before divergence: bf16 looks broken"
+
+
 @pytest.mark.parametrize("arch", ["llama", "llama-gqa8", "gpt_neox", "mistral-swa"])
 def test_bf16_greedy_close_to_hf_bf16(arch, model_factory):
     model_dir = model_factory(arch)
@@ -53,16 +67,7 @@ def test_bf16_greedy_close_to_hf_bf16(arch, model_factory):
     assert runner.backend is cpu_ops and runner.attn_layers[0].k_cache.dtype == torch.bfloat16
     if cpu_gemm_bf16.available() and arch.startswith("llama"):  # the fast path: bf16 panels, one-call layers
         assert len(runner.model.model.cpu_layers.weights) == len(runner.model.model.layers)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP), use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    matched = 0
-    for prompt, out in zip(prompts, outs):
-        ours = out.outputs[0]
-        ref, ref_tops = hf_greedy_top(hf, prompt)
-        our_tops = [set(lp) for lp in ours.logprobs]
-        matched += assert_close_greedy(ours.token_ids, our_tops, ref, ref_tops)
-    assert matched >= len(prompts) * 3, f"only {matched} tokens equal before divergence: bf16 looks broken"
+    assert_bf16_close_to_hf(llm, model_dir, prompts)
 
 
 def _save_dtype(model_dir: str, dtype: str) -> None:

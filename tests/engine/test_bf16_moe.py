@@ -7,10 +7,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
-from pagedserve import LLM, SamplingParams
-from pagedserve.tests.engine.test_bf16 import MAX_TOKENS, TOP, assert_close_greedy, hf_greedy_top
+from pagedserve import LLM
+from pagedserve.tests.engine.test_bf16 import assert_bf16_close_to_hf
 from pagedserve.tests.utils import random_prompts
 
 
@@ -36,12 +35,4 @@ def test_moe_bf16_greedy_close_to_hf_bf16(arch, model_factory, tmp_path):
     model = llm.llm_engine.core.executor.worker.model_runner.model
     assert all(p.dtype == torch.bfloat16 for p in model.parameters() if p.is_floating_point())
     assert model.model.cpu_layers is None  # MoE layers stay off the one-call C++ layer
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP), use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    matched = 0
-    for prompt, out in zip(prompts, outs):
-        ref, ref_tops = hf_greedy_top(hf, prompt)
-        matched += assert_close_greedy(out.outputs[0].token_ids, [set(lp) for lp in out.outputs[0].logprobs],
-                                       ref, ref_tops)
-    assert matched >= len(prompts) * 3, f"only {matched} tokens equal before divergence: bf16 looks broken"
+    assert_bf16_close_to_hf(llm, model_dir, prompts)

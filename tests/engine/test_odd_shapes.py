@@ -13,9 +13,8 @@ if not torch.cuda.is_available():
 
 import pytest
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM
 from pagedserve.kernels import (
     cpu_extension,
     cpu_fused,
@@ -27,7 +26,7 @@ from pagedserve.kernels import (
     torch_ref,
     triton_ops,
 )
-from pagedserve.tests.utils import hf_greedy, random_prompts
+from pagedserve.tests.utils import assert_greedy_equals_hf, random_prompts
 from pagedserve.worker import sampler
 from pagedserve.worker.cpu.decoder_layer import attach_decoder_layers
 from pagedserve.worker.cpu.packing import pack_linears
@@ -198,10 +197,6 @@ def test_odd_models_greedy_match_hf(model_factory, arch):
     prompts = random_prompts(3, seed=7, max_len=20)
     llm = LLM(model_dir)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8),
-                            use_tqdm=False)
+        assert_greedy_equals_hf(llm, model_dir, prompts, 8)
     finally:
         llm.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(model_dir, p, 8, hf)[0]

@@ -9,31 +9,13 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_attention, cpu_extension, torch_ref
+from pagedserve.tests.utils import paged_case
 
 # Decodes at block edges, a fresh prefill, chunks after a cached prefix (one longer than a 32-row tile).
 Q_LENS = [1, 1, 1, 1, 7, 20, 1, 45, 1, 3]
 CTX_LENS = [0, 15, 16, 47, 0, 33, 76, 9, 200, 61]
 WINDOWS = [None, 1, 5, 16, 17, 40, 64, 1000]
 CAPS = [None, 2.0]
-
-
-def paged_case(q_lens, ctx_lens, gqa, block_size, head_size, dtype, seed, hkv=2):
-    """A packed batch over a shuffled block pool: sequence b has ctx_lens[b] cached tokens and q_lens[b] new ones."""
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    blocks = sum(-(-n // block_size) for n in seq_lens) + 3
-    k = torch.randn(blocks, block_size, hkv, head_size, generator=g).to(dtype)
-    v = torch.randn(blocks, block_size, hkv, head_size, generator=g).to(dtype)
-    perm = torch.randperm(blocks, generator=g)
-    table = torch.zeros(len(seq_lens), max(-(-n // block_size) for n in seq_lens), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(seq_lens):
-        nb = -(-n // block_size)
-        table[i, :nb] = perm[used: used + nb]
-        used += nb
-    q = (3 * torch.randn(sum(q_lens), hkv * gqa, head_size, generator=g)).to(dtype)  # large scores: the cap bites
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return q, k, v, table, qsl, torch.tensor(seq_lens, dtype=torch.int32), head_size**-0.5
 
 
 def naive(q, k_cache, v_cache, table, qsl, seq_lens, scale, window, cap):
@@ -72,7 +54,7 @@ def poison_below_window(case, window):
 @pytest.mark.parametrize("cap", CAPS)
 @pytest.mark.parametrize("gqa", [1, 4])
 def test_torch_ref_matches_naive(window, cap, gqa):
-    case = paged_case(Q_LENS, CTX_LENS, gqa, 16, 32, torch.float32, seed=gqa)
+    case = paged_case(Q_LENS, CTX_LENS, gqa, 16, 32, torch.float32, seed=gqa, q_scale=3.0)
     want = naive(*case, window, cap)
     got = torch_ref.paged_attention(*case, sliding_window=window, logits_soft_cap=cap)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
@@ -89,7 +71,8 @@ def test_cpu_kernel_matches_torch_ref(dtype, window, cap, gqa, head_size, block_
     if not cpu_extension.available():
         pytest.skip("C++ kernels not built")
     # Besides Q_LENS: a decode of 700 keys (split into parts) and a 17-row prefill (a 1-row last tile under MQA).
-    case = paged_case([*Q_LENS, 1, 17], [*CTX_LENS, 699, 30], gqa, block_size, head_size, dtype, seed=gqa + head_size)
+    case = paged_case([*Q_LENS, 1, 17], [*CTX_LENS, 699, 30], gqa, block_size, head_size, dtype, seed=gqa + head_size,
+                      q_scale=3.0)
     if window is not None:
         case = poison_below_window(case, window)
     q, k, v, *rest = case

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import cpu_attention, cpu_extension, cpu_fused, cpu_gemm, get_backend, torch_ref
+from pagedserve.tests.utils import paged_case
 from pagedserve.worker.cpu.hugepages import HUGE_PAGE, zeros_huge_pages
 from pagedserve.worker.cpu.packed_linear import linear
 from pagedserve.worker.cpu.packing import pack_linears, panel_gemm_preferred
@@ -23,25 +24,6 @@ FP32_TOL = dict(atol=2e-5, rtol=1e-5)
 @pytest.fixture(scope="module", autouse=True)
 def built():
     cpu_extension.load()  # a failed build fails here with the compiler's error
-
-
-def paged_case(q_lens, ctx_lens, gqa, block_size, head_size, dtype, seed, hkv=2):
-    """A packed batch over a shuffled block pool: sequence b has ctx_lens[b] cached tokens and q_lens[b] new ones."""
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    blocks = sum(-(-n // block_size) for n in seq_lens) + 3
-    k = torch.randn(blocks, block_size, hkv, head_size, generator=g).to(dtype)
-    v = torch.randn(blocks, block_size, hkv, head_size, generator=g).to(dtype)
-    perm = torch.randperm(blocks, generator=g)
-    table = torch.zeros(len(seq_lens), max(-(-n // block_size) for n in seq_lens), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(seq_lens):
-        nb = -(-n // block_size)
-        table[i, :nb] = perm[used: used + nb]
-        used += nb
-    q = torch.randn(sum(q_lens), hkv * gqa, head_size, generator=g).to(dtype)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return q, k, v, table, qsl, torch.tensor(seq_lens, dtype=torch.int32), head_size**-0.5
 
 
 def reference_fp32(q, k, v, table, qsl, seq_lens, scale):

@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
-from pagedserve.engine.model_config import load_model_config
+from pagedserve.tests.utils import load_as_rank
 from pagedserve.worker import parallel_state
 from pagedserve.worker.cpu.decoder_layer import CPUDecoderLayers
 from pagedserve.worker.layers.moe import SparseMoeBlock, local_experts, select_experts
-from pagedserve.worker.models.loader import load_model
 
 HIDDEN, INTER = 24, 40  # not multiples of 16
 
@@ -92,12 +90,7 @@ def test_rank_loads_only_its_experts(model_factory, monkeypatch):
     """3 experts over 2 ranks: rank 0 holds experts 0 and 1, rank 1 expert 2, equal to the checkpoint's; the router
     is whole on both."""
     model_dir = model_factory("mixtral", num_local_experts=3)
-    cfg = load_model_config(model_dir, "float32", None, torch.device("cpu"))
-    monkeypatch.setattr(parallel_state, "_TP_RANK", 1)
-    monkeypatch.setattr(parallel_state, "_TP_SIZE", 2)
-    model = load_model(cfg, torch.device("cpu"))
-    with safe_open(cfg.weight_files[0], "pt") as f:
-        full = {k: f.get_tensor(k) for k in f.keys()}
+    model, full = load_as_rank(model_dir, monkeypatch, rank=1, tp=2)
     moe = model.model.layers[0].mlp
     assert list(moe.experts) == ["2"]
     p = "model.layers.0.block_sparse_moe"
