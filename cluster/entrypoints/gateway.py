@@ -93,13 +93,13 @@ async def run_gateway(spec: GatewaySpec, stop: asyncio.Event | None = None,
     """Attach to the replicas (waiting for them to appear), serve until ``stop`` (default: SIGTERM or SIGINT), drain.
     The replicas are left running: their launcher owns them."""
     opts = spec.opts
+    if not ray.is_initialized():  # first: ray.init installs a SIGTERM handler of its own, which ours replaces
+        ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    if not ray.is_initialized():
-        ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
     found = asyncio.ensure_future(_wait_for_replicas(opts.served_model_name))
     await asyncio.wait([found, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if not found.done():

@@ -25,8 +25,8 @@ from pagedserve.tests.server_thread import free_port
 PS = [sys.executable, "-m", "pagedserve"]
 MODEL = "gwtest"
 NAMESPACE = "pagedserve"
-STREAMS = 48  # concurrent streams at the kill: what the 2-core test host runs well within a minute
-MAX_TOKENS = 160
+STREAMS = 200  # concurrent streams at the kill
+MAX_TOKENS = 64
 PROMPTS = ["def paged(block", "class Scheduler:", "import torch\n", "for i in range(", "return self.", "# KV cache"]
 GATEWAY_HEADER = "x-pagedserve-gateway"
 
