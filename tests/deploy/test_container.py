@@ -26,17 +26,22 @@ pytestmark = pytest.mark.skipif(
     reason="needs PAGEDSERVE_IMAGE (a built image) and podman or docker: .ci/run sets it after build_ci_image.sh")
 
 
+# The container settings the build script runs its containers with (ulimits this sandbox allows, runc).
+ENV = dict(os.environ, CONTAINERS_CONF=str(REPO / "deploy" / "container" / "containers.conf"))
+
+
 def run(*args: str, entrypoint: str | None = None) -> str:
     """The image run as the chart runs it (its own user, no extra flags); its stdout."""
     cmd = [RUNTIME, "run", "--rm", "--no-healthcheck"] + (["--entrypoint", entrypoint] if entrypoint else [])
-    proc = subprocess.run([*cmd, IMAGE, *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([*cmd, IMAGE, *args], capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
 
 @pytest.fixture(scope="module")
 def config() -> dict:
-    out = subprocess.run([RUNTIME, "image", "inspect", IMAGE], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([RUNTIME, "image", "inspect", IMAGE], capture_output=True, text=True, check=True,
+                         env=ENV).stdout
     return json.loads(out)[0]["Config"]
 
 
