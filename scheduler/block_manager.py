@@ -233,10 +233,14 @@ class BlockManager:
             return
         below = min(max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size,
                     len(seq.block_table))
-        released = _live(seq.block_table[:below])
-        if released:
-            self.pool.decref(released)  # a shared prefix's block is only dereferenced
-            seq.block_table[:below] = [NULL_BLOCK] * below
+        table = seq.block_table
+        if below == 0 or table[below - 1] == NULL_BLOCK:
+            return
+        start = below - 1  # released blocks form a leading run: only the ones since the last release are live
+        while start and table[start - 1] != NULL_BLOCK:
+            start -= 1
+        self.pool.decref(table[start:below])  # a shared prefix's block is only dereferenced
+        table[start:below] = [NULL_BLOCK] * (below - start)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         child.block_table = list(parent.block_table)
