@@ -13,6 +13,12 @@ from pagedserve.tests.utils import make_model, make_tokenizer
 
 torch.set_num_threads(2)
 
+if not torch.cuda.is_available():
+    # Triton kernels run in its CPU interpreter in this process. Triton decides that when a kernel is decorated, so
+    # it is set here, before any test module imports one, whichever folders are collected; Ray's processes run
+    # them as deployed (the `ray_cluster` fixture), where a Triton backend on CPU fails.
+    os.environ["TRITON_INTERPRET"] = "1"
+
 LAYERS = ("unit", "engine", "cluster", "deploy")  # the folders under tests/, lightest first
 
 
@@ -80,7 +86,8 @@ def ray_cluster():
     import ray
 
     # Logical CPUs: the gateway tests' replicas and the TP tests' ranks must not wait on each other.
-    ray.init(address="local", num_cpus=8, log_to_driver=False)  # never a cluster some other process left running
+    # address="local": never a cluster some other process left running.
+    ray.init(address="local", num_cpus=8, log_to_driver=False, runtime_env={"env_vars": {"TRITON_INTERPRET": "0"}})
     yield ray
     ray.shutdown()
 

@@ -5,9 +5,11 @@ request; an engine core whose steps fail that way marks itself failed and takes 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import pytest
+from ray import cloudpickle
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import EngineCoreRequest
@@ -26,12 +28,13 @@ def _broken(model_dir: str, **kw) -> EngineArgs:
     return EngineArgs(model=model_dir, device="cpu", attention_backend="triton", seed=0, **kw)
 
 
-def test_an_engine_core_whose_every_step_fails_the_same_way_marks_itself_failed(model_dir):
+def _fail_an_engine_core(model_dir: str) -> None:
+    """The engine-core actor's path: a step raises in this process, its requests end with it."""
     events: list[tuple[bool, str]] = []
     core = EngineCore(_broken(model_dir).create_engine_config(), on_health=lambda ok, why: events.append((ok, why)))
     params = SamplingParams(max_tokens=4, temperature=0.0)
     errors = []
-    for i in range(2):  # the engine-core actor's path: a step raises in this process, its requests end with it
+    for i in range(2):
         core.add_request(EngineCoreRequest(f"r{i}", [5, 6, 7], params))
         with pytest.raises(Exception) as e:
             core.step()
@@ -47,6 +50,13 @@ def test_an_engine_core_whose_every_step_fails_the_same_way_marks_itself_failed(
     with pytest.raises(EngineUnavailableError):
         core.warmup()
     core.shutdown()
+
+
+def test_an_engine_core_whose_every_step_fails_the_same_way_marks_itself_failed(ray_cluster, model_dir):
+    # In a Ray process: this one interprets Triton kernels on CPU (tests/conftest.py), so they would not fail here.
+    # pytest's importlib mode names this module so that Ray's worker cannot import it: send its code along.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray_cluster.get(ray_cluster.remote(_fail_an_engine_core).remote(model_dir), timeout=240)
 
 
 def test_a_step_failure_that_is_the_requests_own_keeps_the_core_serving(model_dir):
@@ -70,7 +80,11 @@ def test_serve_fails_at_startup_with_the_models_error(ray_cluster, model_dir, tp
     srv = ServerThread(_broken(model_dir, tensor_parallel_size=tp), http_port=free_port())
     t0 = time.monotonic()
     with caplog.at_level(logging.ERROR), pytest.raises(EngineUnavailableError) as e:
-        srv.start(timeout=240)
+        try:
+            srv.start(timeout=240)
+        finally:
+            if srv._error is None:  # it came up: never hold its placement group through the rest of the session
+                srv.stop()
     took = time.monotonic() - t0
     msg = str(e.value)
     assert "replica 0 failed its warm-up" in msg and "RuntimeError" in msg, msg

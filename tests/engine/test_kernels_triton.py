@@ -1,15 +1,8 @@
 """Triton kernels against the torch reference ops (compiled on CUDA, interpreted on CPU)."""
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    # Must be set before triton is imported and before any @triton.jit runs.
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
+import torch
 
 from pagedserve.kernels import torch_ref, triton_attention, triton_ops
 from pagedserve.kernels.triton_attention import AttentionConfig

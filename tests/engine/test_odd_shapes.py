@@ -4,14 +4,8 @@ and long rows), never raises and matches the torch reference; tiny LLaMA models 
 tokens (TP 2 and 3 on Ray: tests/cluster/test_odd_shapes_tp.py)."""
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (as test_kernels_triton.py)
-
 import pytest
+import torch
 import torch.nn.functional as F
 
 from pagedserve import LLM

@@ -1,13 +1,7 @@
 """End to end: the Triton attention backend generates exactly what the torch reference does."""
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # exact CPU emulation of the kernels
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.tests.utils import assert_all_blocks_free, random_prompts

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-# Sets TRITON_INTERPRET on CPU before triton is imported.
-from pagedserve.tests.engine.test_kernels_triton import BF16, F32, TOL, _attention_case  # isort: skip
 from pagedserve.kernels import torch_ref, triton_attention, triton_ops
 from pagedserve.kernels.triton_attention import AttentionConfig
 from pagedserve.scheduler.block_manager import NULL_BLOCK
+from pagedserve.tests.engine.test_kernels_triton import BF16, F32, TOL, _attention_case
 
 BS = 8
 # Decodes before/on/after block boundaries, a chunk after a cached prefix, a chunk starting mid-block, a whole
