@@ -4,7 +4,7 @@ Decode: achieved KV-cache read bandwidth against the device-to-device copy bandw
 the same run (target: >= 70%). Prefill: attention TFLOP/s against the bf16 torch.matmul rate.
 Batch sizes 1-256, contexts 128-8192. Writes benchmarks/results/kernels-<gpu>.{json,png}.
 
-    python benchmarks/kernels.py [--quick]
+    python benchmarks/kernels.py [--quick] [--results-dir DIR]
 
 The end-to-end GPU comparison (bench-llama-7b-shape, output tok/s vs HF generate(), sequential and static
 batching, bf16) is the throughput benchmark run on the GPU:
@@ -169,6 +169,7 @@ def plot(path: pathlib.Path, result: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few batch sizes and contexts only")
+    parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py: no CUDA device found; this benchmark needs a GPU. Nothing to do.")
@@ -203,9 +204,9 @@ def main() -> int:
         decode=bench_decode(k_cache, v_cache, copy_gbps, batches, contexts),
         prefill=bench_prefill(k_cache, v_cache, matmul, batches, contexts),
     )
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
-    stem = RESULTS_DIR / f"kernels-{slug}"
+    stem = args.results_dir / f"kernels-{slug}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(stem.with_suffix(".png"), result)
     best = max(r["frac_of_copy"] for r in result["decode"])

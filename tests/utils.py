@@ -132,9 +132,15 @@ def _perturb_biases_and_norms(model, seed: int) -> None:
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
 
 
+def load_hf_reference(model_dir: str, dtype: torch.dtype = torch.float32):
+    """The transformers reference, with eager attention: the exact one (in some transformers versions SDPA is
+    chosen for Gemma 2 and drops its attention logit soft-capping)."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+
+
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, hf_model=None):
     """HF generate(): greedy tokens (through the first EOS) and the raw logprob of each."""
-    model = hf_model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = hf_model or load_hf_reference(model_dir)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, eos_token_id=EOS,
@@ -168,7 +174,7 @@ def assert_greedy_equals_hf(llm, model_dir: str, prompts: list[list[int]], max_t
     ``logprob_tol``, unless None)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=None if logprob_tol is None else 0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = load_hf_reference(model_dir)
     for i, (p, o) in enumerate(zip(prompts, outs)):
         tokens, lps = hf_greedy(model_dir, p, max_tokens, hf)
         assert o.outputs[0].token_ids == tokens, f"prompt {i} diverged from HF"

@@ -12,7 +12,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.scheduler.spec_decode import propose_ngram
-from pagedserve.tests.utils import ARCHS, assert_all_blocks_free, random_prompts
+from pagedserve.tests.utils import ARCHS, assert_all_blocks_free, load_hf_reference, random_prompts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -81,7 +81,6 @@ def _chi2_below_p001(counts: torch.Tensor, expected: torch.Tensor) -> bool:
 def test_sampled_distribution_is_the_models(model_factory):
     """At temperature 1, the tokens sampled at drafted positions follow the model's distribution: the counts of
     the 2nd and 3rd output tokens over 1500 seeds against the model's probabilities given each sample's prefix."""
-    from transformers import AutoModelForCausalLM
 
     model = model_factory("llama", vocab_size=8, initializer_range=0.05)
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
@@ -90,7 +89,7 @@ def test_sampled_distribution_is_the_models(model_factory):
     outs, stats = _run(model, [prompt] * n, params, speculative_config=dict(SPEC, disable_by_batch_size=256),
                        max_num_seqs=256)
     assert stats.spec_num_draft_tokens > 300 and stats.spec_num_accepted_tokens > 10  # 3rd tokens from draft rows
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf = load_hf_reference(model)
     samples = torch.tensor([o[0] for o in outs])
     for pos in (1, 2):
         prefixes, which = torch.unique(samples[:, :pos], dim=0, return_inverse=True)

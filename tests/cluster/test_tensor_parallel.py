@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.tests.utils import (
@@ -11,6 +10,7 @@ from pagedserve.tests.utils import (
     assert_greedy_equals_hf,
     hf_greedy,
     load_as_rank,
+    load_hf_reference,
     random_prompts,
 )
 
@@ -84,7 +84,7 @@ def test_worker_death_resumes_in_flight_requests_exactly(ray_cluster, model_fact
             engine.core.shutdown()
 
     killed, calm = run(kill_after=3), run(kill_after=None)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = load_hf_reference(model_dir)
     for i, p in enumerate(prompts):
         assert killed[str(i)].outputs[0].finish_reason == "length"
         assert killed[str(i)].outputs[0].token_ids == hf_greedy(model_dir, p, 20, hf)[0]
@@ -109,7 +109,7 @@ def test_compiled_graph_broadcast_matches(ray_cluster, model_factory):
         while engine.has_unfinished_requests():
             outs.update({o.request_id: o for o in engine.step()})
         assert engine.core.executor.dag is not None
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        hf = load_hf_reference(model_dir)
         for i, p in enumerate(prompts):
             assert outs[str(i)].outputs[0].token_ids == hf_greedy(model_dir, p, 8, hf)[0]
     finally:

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, BeamSearchParams
-from pagedserve.tests.utils import EOS, assert_all_blocks_free, random_prompts
+from pagedserve.tests.utils import EOS, assert_all_blocks_free, load_hf_reference, random_prompts
 
 MAX_TOKENS = 12
 
@@ -31,7 +30,7 @@ def hf_beams(hf, prompt: list[int], width: int, length_penalty: float, early_sto
 def test_beam_search_matches_hf(model_factory, arch, width, length_penalty, early_stopping):
     model_dir = model_factory(arch)
     llm = LLM(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = load_hf_reference(model_dir)
     prompts = random_prompts(3, seed=50 + width, max_len=20)
     params = BeamSearchParams(beam_width=width, max_tokens=MAX_TOKENS, length_penalty=length_penalty,
                               early_stopping=early_stopping)

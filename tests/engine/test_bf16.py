@@ -9,11 +9,10 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.kernels import cpu_gemm_bf16, cpu_ops
-from pagedserve.tests.utils import EOS, random_prompts
+from pagedserve.kernels import cpu_gemm_bf16, cpu_ops, triton_ops
+from pagedserve.tests.utils import EOS, load_hf_reference, random_prompts
 from pagedserve.worker.cpu.cpuinfo import cpu_flags
 from pagedserve.worker.cpu.dtype import FAST_CPU_FLAGS, choose_cpu_dtype
 from pagedserve.worker.cpu.dtype import auto_dtype as cpu_auto_dtype
@@ -47,7 +46,7 @@ def assert_bf16_close_to_hf(llm: LLM, model_dir: str, prompts: list[list[int]]) 
     divergence that a broken bf16 path cannot pass."""
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP), use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    hf = load_hf_reference(model_dir, torch.bfloat16)
     matched = 0
     for prompt, out in zip(prompts, outs):
         ours = out.outputs[0]
@@ -56,16 +55,20 @@ def assert_bf16_close_to_hf(llm: LLM, model_dir: str, prompts: list[list[int]]) 
     assert matched >= len(prompts) * 3, f"only {matched} tokens equal before divergence: bf16 looks broken"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
 @pytest.mark.parametrize("arch", ["llama", "llama-gqa8", "gpt_neox", "mistral-swa"])
-def test_bf16_greedy_close_to_hf_bf16(arch, model_factory):
+def test_bf16_greedy_close_to_hf_bf16(arch, device, model_factory):
     model_dir = model_factory(arch)
     prompts = random_prompts(5, seed=5, max_len=60)
-    llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=64)  # chunks and mixed batches
+    # chunks and mixed batches
+    llm = LLM(model_dir, dtype="bfloat16", device=device, max_num_seqs=4, max_num_batched_tokens=64)
     runner = llm.llm_engine.core.executor.worker.model_runner
     assert runner.k_caches[0].dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in runner.model.parameters() if p.is_floating_point())
-    assert runner.backend is cpu_ops and runner.attn_layers[0].k_cache.dtype == torch.bfloat16
-    if cpu_gemm_bf16.available() and arch.startswith("llama"):  # the fast path: bf16 panels, one-call layers
+    assert runner.backend is (cpu_ops if device == "cpu" else triton_ops)
+    assert runner.attn_layers[0].k_cache.dtype == torch.bfloat16
+    if device == "cpu" and cpu_gemm_bf16.available() and arch.startswith("llama"):  # bf16 panels, one-call layers
         assert len(runner.model.model.cpu_layers.weights) == len(runner.model.model.layers)
     assert_bf16_close_to_hf(llm, model_dir, prompts)
 
@@ -90,13 +93,13 @@ def test_auto_dtype_on_cpu_follows_the_cpu(model_factory, tmp_path, caplog):
     _save_dtype(model_dir, "bfloat16")
     cpu_auto_dtype.cache_clear()
     with caplog.at_level(logging.INFO, logger="pagedserve.worker.cpu.dtype"):
-        auto = LLM(model_dir, max_num_seqs=2)
+        auto = LLM(model_dir, device="cpu", max_num_seqs=2)
     want, _ = choose_cpu_dtype(torch.bfloat16, cpu_flags())
     if not any(f in cpu_flags() for f in FAST_CPU_FLAGS[torch.bfloat16]):
         assert want == torch.float32  # this machine kind: AVX2 only
     assert auto.llm_engine.core.config.model_config.dtype == want
     assert any("dtype auto on CPU" in r.getMessage() for r in caplog.records)
-    explicit = LLM(model_dir, dtype="bfloat16", max_num_seqs=2)
+    explicit = LLM(model_dir, dtype="bfloat16", device="cpu", max_num_seqs=2)
     assert explicit.llm_engine.core.config.model_config.dtype == torch.bfloat16
 
 

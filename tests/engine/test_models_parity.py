@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from pagedserve import EngineArgs, LLMEngine, SamplingParams
-from pagedserve.tests.utils import ARCHS, assert_all_blocks_free, hf_greedy, random_prompts
+from pagedserve.tests.utils import ARCHS, assert_all_blocks_free, hf_greedy, load_hf_reference, random_prompts
 
 MAX_TOKENS = 24
 
@@ -30,9 +28,9 @@ def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingP
 def test_greedy_matches_hf(arch, model_factory):
     model_dir = model_factory(arch)
     prompts = random_prompts(8, seed=1)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, max_num_seqs=6))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, dtype="float32", max_num_seqs=6))
     results = run_staggered(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1))
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = load_hf_reference(model_dir)
     total = 0
     for i, prompt in enumerate(prompts):
         ref_tokens, ref_lps = hf_greedy(model_dir, prompt, MAX_TOKENS, hf)

@@ -142,12 +142,14 @@ def test_panel_gemms_any_width(m, k, n):
 
 
 def test_triton_attention_any_head_size():
-    """Head sizes the kernel pads (12, 80, GQA 3) run interpreted on CPU; those tl.dot or its tiles cannot take
+    """Head sizes the kernel pads (12, 80, GQA 3) run (interpreted on CPU); those tl.dot or its tiles cannot take
     (under 9, over 256) go to the torch reference instead of raising."""
     assert [triton_ops.attention_supported(torch.empty(1, 1, d), None) for d in (4, 8, 9, 12, 80, 256, 257)] == \
         [False, False, True, True, True, True, False]
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton takes CPU tensors only when interpreting
     for hq, hkv, head in [(6, 2, 12), (3, 1, 80), (2, 1, 4), (2, 2, 320)]:
-        case = _paged_case(hq, hkv, head, torch.float32, q_lens=[1, 5], ctx=[20, 3])
+        case = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                for k, v in _paged_case(hq, hkv, head, torch.float32, q_lens=[1, 5], ctx=[20, 3]).items()}
         torch.testing.assert_close(triton_ops.paged_attention(**case), torch_ref.paged_attention(**case),
                                    atol=1e-5, rtol=1e-5)
 
@@ -189,7 +191,7 @@ def test_one_call_layer_odd_sizes_equal_the_module_path(dtype):
 def test_odd_models_greedy_match_hf(model_factory, arch):
     model_dir = model_factory(arch)
     prompts = random_prompts(3, seed=7, max_len=20)
-    llm = LLM(model_dir)
+    llm = LLM(model_dir, dtype="float32")  # "auto" is bf16 on CUDA
     try:
         assert_greedy_equals_hf(llm, model_dir, prompts, 8)
     finally:

@@ -3,11 +3,8 @@ short factors, one that starts beyond it the long factors (a sequence crossing i
 then recomputes its whole cache with the long factors)."""
 from __future__ import annotations
 
-import torch
-from transformers import AutoModelForCausalLM
-
 from pagedserve import LLM, SamplingParams
-from pagedserve.tests.utils import hf_greedy, random_prompts
+from pagedserve.tests.utils import hf_greedy, load_hf_reference, random_prompts
 
 
 def test_short_and_long_factors_match_hf(model_factory):
@@ -17,6 +14,6 @@ def test_short_and_long_factors_match_hf(model_factory):
     llm = LLM(model_dir, max_num_seqs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in cases],
                         [SamplingParams(temperature=0, max_tokens=n) for _, n in cases], use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = load_hf_reference(model_dir)
     for (prompt, n), out in zip(cases, outs):
         assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, n, hf)[0]

@@ -5,10 +5,9 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.tests.utils import EOS, VOCAB, assert_all_blocks_free, random_prompts
+from pagedserve.tests.utils import EOS, VOCAB, assert_all_blocks_free, load_hf_reference, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def test_repetition_penalty_matches_hf(llama_dir, llm):
     prompt = random_prompts(1, seed=21)[0]
     out = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.5,
                                              ignore_eos=True))[0].outputs[0]
-    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    hf = load_hf_reference(llama_dir)
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, repetition_penalty=1.5,
                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert out.token_ids == ref
@@ -60,7 +59,7 @@ def test_frequency_presence_penalties_greedy_reference(llama_dir, llm):
     params = SamplingParams(temperature=0, max_tokens=12, frequency_penalty=1.5, presence_penalty=0.7,
                             ignore_eos=True)
     out = _gen(llm, [prompt], params)[0].outputs[0]
-    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    hf = load_hf_reference(llama_dir)
     seq, gen = list(prompt), []
     with torch.no_grad():
         for _ in range(12):
@@ -140,7 +139,7 @@ def test_logprobs_topk_and_prompt_logprobs(llama_dir, llm):
     prompt = random_prompts(1, seed=25, min_len=20)[0]
     out = _gen(llm, [prompt], SamplingParams(temperature=0.8, seed=3, max_tokens=6, logprobs=3,
                                              prompt_logprobs=2))[0]
-    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    hf = load_hf_reference(llama_dir)
     full = prompt + out.outputs[0].token_ids
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), -1)

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pagedserve import EngineArgs, LLMEngine, SamplingParams
 from pagedserve.tests.engine.test_models_parity import run_staggered
-from pagedserve.tests.utils import assert_all_blocks_free, hf_greedy, random_prompts
+from pagedserve.tests.utils import assert_all_blocks_free, hf_greedy, load_hf_reference, random_prompts
 
 MAX_TOKENS = 30
 
 
 def test_hf_reference_applies_the_window(model_factory):
-    hf = AutoModelForCausalLM.from_pretrained(model_factory("mistral-swa"), dtype=torch.float32)
+    hf = load_hf_reference(model_factory("mistral-swa"))
     ids = torch.tensor([random_prompts(1, seed=3, min_len=40, max_len=40)[0]])
     with torch.no_grad():
         windowed = hf(ids).logits
@@ -33,9 +32,9 @@ def test_greedy_matches_hf_beyond_the_window(arch, args, model_factory):
     model_dir = model_factory(arch)
     prompts = random_prompts(6, seed=2, min_len=10, max_len=60)
     prompts.append(prompts[0][:40] + prompts[1][:5])  # a cached prefix longer than the window
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, max_num_seqs=4, **args))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, dtype="float32", max_num_seqs=4, **args))
     results = run_staggered(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = load_hf_reference(model_dir)
     for i, prompt in enumerate(prompts):
         ref, _ = hf_greedy(model_dir, prompt, MAX_TOKENS, hf)
         got = results[str(i)].outputs[0].token_ids

@@ -19,7 +19,7 @@ def test_triton_backend_matches_torch(arch, block_size, model_factory):
     prompts = random_prompts(3, seed=70, min_len=14, max_len=35)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
     # chunked prefill mixed with decodes
-    kwargs = dict(max_num_batched_tokens=24, enable_prefix_caching=False, block_size=block_size)
+    kwargs = dict(dtype="float32", max_num_batched_tokens=24, enable_prefix_caching=False, block_size=block_size)
     ref = LLM(model_dir, attention_backend="torch", **kwargs).generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tri = LLM(model_dir, attention_backend="triton", **kwargs)
