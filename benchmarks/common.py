@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+RESULTS = os.environ.get("PAGEDSERVE_RESULTS_DIR") or os.path.join(HERE, "results")  # gpu_check.sh: $OUT
 MODELS = os.path.join(HERE, ".models")
 
 REFERENCE_MODELS = {

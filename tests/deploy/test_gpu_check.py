@@ -1,0 +1,27 @@
+"""benchmarks/gpu_check.sh, the one command a lent GPU machine runs, in its dry mode: every step runs its CPU-only
+part (the CUDA test subsets are collected, the kernel benchmark finds no GPU, the end-to-end run parses its
+arguments), so a broken path or import in it shows here, not in scarce device time."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_gpu_check_dry_run_reaches_every_step(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "torch" in (tmp_path / "gpu-env.txt").read_text()
+    tests = (tmp_path / "gpu-tests.log").read_text()
+    collected = [int(n) for n in re.findall(r"^(\d+)(?:/\d+)? tests? collected", tests, re.M)]
+    assert len(collected) == 3 and min(collected) > 0 and "error" not in tests.lower(), tests[-3000:]
+    assert "no CUDA device" in (tmp_path / "kernels.log").read_text()
+    assert "--hf-static-batches" in (tmp_path / "throughput.log").read_text()
+    bad = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--frobnicate"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown argument --frobnicate" in bad.stderr
