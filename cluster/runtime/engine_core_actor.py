@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import ray
 import torch
+from prometheus_client.core import CounterMetricFamily
 
 from pagedserve.cluster.runtime.core_metrics import EngineCoreMetrics
 from pagedserve.engine.arg_utils import EngineArgs
@@ -32,6 +33,11 @@ from pagedserve.scheduler.kv_events import KVCacheSnapshot, KVEvent, KVEventBatc
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# A gateway renews its lease on each replica every GATEWAY_LEASE_S / 5 seconds. One not heard from for GATEWAY_LEASE_S
+# is taken for dead (a SIGKILLed process ends no Ray generator): its stream ends and its requests are aborted, so
+# their KV blocks are freed. A gateway that was only stalled sees its stream end and resumes them token-exact.
+GATEWAY_LEASE_S = 10.0
 
 
 class EngineCoreActor:
@@ -49,7 +55,8 @@ class EngineCoreActor:
     """
 
     def __init__(self, engine_args: EngineArgs, max_waiting_requests: int | None = None,
-                 num_threads: int | None = None, step_timeout: float | None = None) -> None:
+                 num_threads: int | None = None, step_timeout: float | None = None,
+                 gateway_lease_s: float = GATEWAY_LEASE_S) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         placement_group = ray.util.get_current_placement_group()  # read on the actor's thread (task context)
@@ -58,8 +65,13 @@ class EngineCoreActor:
         self.metrics = EngineCoreMetrics(self.core)
         self.max_waiting_requests = max_waiting_requests
         self.step_timeout = step_timeout
+        self.gateway_lease_s = gateway_lease_s
         self._owner: dict[str, str] = {}  # request id -> gateway (client) id; event loop only
         self._queues: dict[str, asyncio.Queue] = {}
+        self._heard: dict[str, float] = {}  # gateway id -> monotonic time of its last lease renewal
+        self._expired: set[str] = set()  # gateways whose streams are ending for lack of renewal
+        self._lease_task: asyncio.Task | None = None
+        self.num_orphaned = 0  # requests aborted because their gateway stopped renewing its lease
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stepping = False  # a step is queued on the engine thread; engine thread only
         self._stopped = False
@@ -165,26 +177,51 @@ class EngineCoreActor:
     async def stop_sequence(self, request_id: str, index: int) -> None:
         await self._on_engine(self._stop_sequence, request_id, index)
 
+    def renew_lease(self, client_id: str) -> None:
+        self._heard[client_id] = time.monotonic()
+
     async def output_stream(self, client_id: str):
         """Yields lists of ``EngineCoreOutput`` for this client's requests, a list per step (or more if it lags), and
-        ``EngineHealth`` events when the engine stops or starts being able to serve."""
+        ``EngineHealth`` events when the engine stops or starts being able to serve. Ends when the client stops
+        renewing its lease (``gateway_lease_s``), aborting its requests."""
         q = self._queue(client_id)
+        self.renew_lease(client_id)
         if not self._healthy.healthy:  # a gateway (re)connecting while the workers are being rebuilt
             q.put_nowait([self._healthy])
         self._loop = asyncio.get_running_loop()
+        if self._lease_task is None:
+            self._lease_task = self._loop.create_task(self._expire_leases())
         # Taken on the engine thread between steps and queued behind the events of the steps before it.
         self._engine_thread.submit(self._send_snapshot, client_id)
         try:
             while True:
                 batch = await q.get()
+                if client_id in self._expired:
+                    return
                 while not q.empty():
                     batch += q.get_nowait()
                 yield batch
         finally:
+            self._expired.discard(client_id)
+            self._heard.pop(client_id, None)
             self._queues.pop(client_id, None)
             stale = [rid for rid, c in self._owner.items() if c == client_id]
             if stale:
                 await self.abort(stale)
+
+    async def _expire_leases(self) -> None:
+        while not self._stopped:
+            await asyncio.sleep(min(1.0, self.gateway_lease_s / 4))
+            now = time.monotonic()
+            for client, heard in list(self._heard.items()):
+                if now - heard <= self.gateway_lease_s or client in self._expired or client not in self._queues:
+                    continue
+                orphans = sum(c == client for c in self._owner.values())
+                logger.warning("gateway %s not heard from for %.0f s: taking it for dead and aborting its %d requests",
+                               client, now - heard, orphans)
+                self.num_orphaned += orphans
+                self._expired.add(client)
+                self._queues[client].put_nowait([])  # wakes its stream, which ends and aborts them
 
     def _send_snapshot(self, client_id: str) -> None:
         """Engine thread."""
@@ -245,7 +282,10 @@ class EngineCoreActor:
 
     async def get_metrics(self) -> list:
         """Prometheus metric families measured here (the gateway's /metrics serves them)."""
-        return await self._on_engine(self.metrics.collect)
+        orphaned = CounterMetricFamily("pagedserve_orphaned_requests", "Requests aborted because the gateway that "
+                                       "sent them stopped renewing its lease (it died).")
+        orphaned.add_metric([], self.num_orphaned)
+        return [*await self._on_engine(self.metrics.collect), orphaned]
 
     def get_node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

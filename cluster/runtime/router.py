@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import ray
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pagedserve.cluster.runtime.engine_core_actor import GATEWAY_LEASE_S
 from pagedserve.cluster.runtime.replicas import Replica
 from pagedserve.cluster.runtime.routing import (
     AFFINITY_REASONS,
@@ -140,7 +141,23 @@ class ReplicaRouter(EngineClient):
         self._changed = asyncio.Event()  # set (and replaced) whenever a replica's state changes
 
     def start(self) -> None:
-        self._pumps = [asyncio.get_running_loop().create_task(self._pump(r)) for r in self.replicas]
+        loop = asyncio.get_running_loop()
+        self._pumps = [loop.create_task(self._pump(r)) for r in self.replicas] + [loop.create_task(self._renew())]
+
+    async def _renew(self) -> None:
+        """Renew this gateway's lease on every replica (see ``GATEWAY_LEASE_S``), never waiting on a slow one."""
+        async def renew(r: ReplicaState) -> None:
+            with contextlib.suppress(Exception):  # a dead or restarting replica: its pump handles it
+                await asyncio.wait_for(r.actor.renew_lease.remote(self.client_id), GATEWAY_LEASE_S)
+
+        tasks: set[asyncio.Task] = set()
+        while True:
+            for r in self.replicas:
+                if r.alive and not r.out:
+                    task = asyncio.get_running_loop().create_task(renew(r))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            await asyncio.sleep(GATEWAY_LEASE_S / 5)
 
     @property
     def num_running(self) -> int:
@@ -241,7 +258,12 @@ class ReplicaRouter(EngineClient):
             try:
                 async for ref in gen:
                     await self._deliver(r, await ref)
-                return
+                # The replica ended the stream: it heard no lease renewal from this gateway in time (a stalled
+                # event loop) and aborted its requests there. Resume them and listen again.
+                logger.warning("replica %d took this gateway for dead; resuming its requests there", i)
+                for rec in [rec for rec in self._inflight.values() if rec.replica is r]:
+                    asyncio.get_running_loop().create_task(self._resume(rec))
+                continue
             except asyncio.CancelledError:
                 raise
             except Exception as e:
