@@ -1,6 +1,8 @@
 """Two simulated nodes (``ray.cluster_utils.Cluster``): with ``--data-parallel-size 2`` and TP=2 each TP group
-lands whole on one node, the second replica on the other, and the gateway spreads requests across both.
-Runs in a subprocess: it needs a Ray cluster of its own, apart from the session's."""
+lands whole on one node, the second replica on the other, and the gateway spreads requests across both. With one
+replica per node, each routing policy over HTTP: prefix-aware keeps each tenant on the replica that holds its prefix,
+round-robin alternates, least-loaded serves from both under concurrency.
+Runs in subprocesses: each needs a Ray cluster of its own, apart from the session's."""
 from __future__ import annotations
 
 import json
@@ -50,6 +52,81 @@ def main(model_dir: str) -> None:
     print("REPORT " + json.dumps(report))
 
 
+SYSTEM = {"a": [(7 * i) % 250 + 5 for i in range(96)], "b": [(11 * i) % 250 + 5 for i in range(96)]}  # 6 blocks
+
+
+def _policy_report(srv) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx2
+    import ray
+
+    def queries() -> list[int]:
+        return [ray.get(r.actor.get_stats.remote()).scheduler.prefix_cache_queries for r in srv.replicas]
+
+    def complete(prompt: list[int]) -> None:
+        r = httpx2.post(f"{srv.http_url}/v1/completions", timeout=120,
+                        json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+    grew = {}
+    for tenant, system in SYSTEM.items():
+        complete(system + [3])  # caches the tenant's prefix somewhere
+        before = queries()
+        with ThreadPoolExecutor(4) as pool:  # concurrent: least-loaded sees load on a replica
+            list(pool.map(complete, [system + [q + 10, 4] for q in range(4)]))
+        grew[tenant] = [after - b for after, b in zip(queries(), before)]
+    return {"nodes": ray.get([r.actor.get_node_id.remote() for r in srv.replicas]), "grew": grew,
+            "decisions": dict(srv.gateway.state.engine.decisions)}
+
+
+def policies(model_dir: str) -> None:
+    """For each policy on two one-CPU nodes (so one replica per node): per tenant, the prompt tokens each replica
+    looked up in its prefix cache while serving the tenant's requests, and the routing decisions."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.tests.server_thread import ServerThread, free_port
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    report = {}
+    try:
+        for policy in ("prefix-aware", "round-robin", "least-loaded"):
+            srv = ServerThread(EngineArgs(model=model_dir, seed=0, max_model_len=256), data_parallel_size=2,
+                               http_port=free_port(), routing_policy=policy).start(timeout=240)
+            try:
+                report[policy] = _policy_report(srv)
+            finally:
+                srv.stop()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print("REPORT " + json.dumps(report))
+
+
+def test_each_routing_policy_with_a_replica_on_each_node(model_factory, llama_dir):
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.tests.cluster.test_multinode", "policies", llama_dir],
+                          capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    report = json.loads(lines[-1][len("REPORT "):])
+    for policy, r in report.items():
+        assert len(set(r["nodes"])) == 2, (policy, r["nodes"])
+    prefix = report["prefix-aware"]
+    for tenant, grew in prefix["grew"].items():  # one replica took every request of the tenant
+        assert sorted(grew)[0] == 0 and sorted(grew)[1] > 0, (tenant, grew)
+    assert prefix["decisions"]["prefix_hit"] == 8
+    assert all(g > 0 for g in report["round-robin"]["grew"]["a"]), report["round-robin"]
+    assert report["round-robin"]["decisions"]["round_robin"] == 10
+    least = report["least-loaded"]
+    assert least["decisions"]["least_loaded"] == 10
+    assert all(sum(g[i] for g in least["grew"].values()) > 0 for i in range(2)), least  # both replicas served
+
+
 def test_data_parallel_replicas_on_separate_nodes(model_factory):
     model_dir = model_factory("llama-gqa8")
     proc = subprocess.run([sys.executable, "-m", "pagedserve.tests.cluster.test_multinode", model_dir],
@@ -67,4 +144,7 @@ def test_data_parallel_replicas_on_separate_nodes(model_factory):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "policies":
+        policies(sys.argv[2])
+    else:
+        main(sys.argv[1])
