@@ -19,9 +19,11 @@ class Gateway:
     def __init__(self, tokenizer, metrics: GatewayMetrics, host: str = "0.0.0.0", port: int = 50051,
                  api_key: str | None = None, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
                  max_concurrent_requests: int = 4096, http_port: int | None = None,
-                 chat_template: str | None = None, reuse_port: bool = False, gateway_id: str | None = None) -> None:
+                 chat_template: str | None = None, reuse_port: bool = False, gateway_id: str | None = None,
+                 strict_request_fields: bool = False) -> None:
         """``http_port``: None serves no HTTP API (0: a free port). ``reuse_port``: share the ports with other gateway
-        processes (SO_REUSEPORT); ``gateway_id``: names this one in HTTP responses' x-pagedserve-gateway header."""
+        processes (SO_REUSEPORT); ``gateway_id``: names this one in HTTP responses' x-pagedserve-gateway header;
+        ``strict_request_fields``: unknown HTTP request fields are a 400 (default: ignored, with a warning)."""
         if max_concurrent_requests < 1:
             raise ValueError(f"max_concurrent_requests must be at least 1, got {max_concurrent_requests}")
         self.metrics = metrics
@@ -33,7 +35,7 @@ class Gateway:
         self.http = None
         if http_port is not None:
             self.http = HttpServer(self.state, host, http_port, api_key, ssl_certfile, ssl_keyfile, chat_template,
-                                   reuse_port, gateway_id)
+                                   reuse_port, gateway_id, strict_request_fields)
         self.http_port = self.http.port if self.http else None
 
     async def start(self) -> None:

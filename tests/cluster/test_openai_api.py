@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 
@@ -326,7 +327,6 @@ def test_prefix_cache_hits_show_in_usage(client):
     (dict(prompt="x", max_tokens=100_000), 400, "prompt"),
     (dict(prompt="x", top_p=1.5), 400, "top_p"),  # a validation error: 400, not FastAPI's 422
     (dict(prompt="x", n=0), 400, "n"),
-    (dict(prompt="x", extra_body={"bogus_field": 1}), 400, "bogus_field"),
     (dict(prompt="x", temperature=0.0, n=2), 400, "best_of"),
     (dict(prompt="x", logprobs=10_000), 400, "logprobs"),
     (dict(prompt=[5, 100_000]), 400, "prompt"),
@@ -346,6 +346,48 @@ def test_errors_arrive_as_sdk_exceptions(server, client, kw, status, param):
     assert set(e.body) == {"message", "type", "param", "code"} and e.body["param"] == param
     assert _metric(server, "pagedserve_request_errors_total", protocol="http") == before + 1
     assert client.completions.create(model=MODEL, prompt="class", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_unknown_fields_are_ignored_and_named_guided_fields_constrain(server, client, offline, caplog):
+    """Fields this server does not know (ones clients send everywhere, and nested ones) are ignored as vLLM does:
+    the output is what it is without them, a response header names them, each name is logged once. vLLM's older
+    guided_* fields constrain as structured_outputs does."""
+    exp = offline.generate(["class"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    with caplog.at_level(logging.WARNING, logger="pagedserve.cluster.server.openai.unknown_fields"):
+        for _ in range(2):
+            raw = client.completions.with_raw_response.create(
+                model=MODEL, prompt="class", max_tokens=8, temperature=0.0,
+                extra_body={"metadata": {"k": "v"}, "store": False, "ignored_once_x": 1})
+            ignored = set(raw.headers["x-pagedserve-ignored-fields"].split(", "))
+            assert ignored == {"metadata", "store", "ignored_once_x"}
+            assert raw.parse().choices[0].text == exp.text
+        chat = client.chat.completions.with_raw_response.create(
+            model=MODEL, max_completion_tokens=4, temperature=0.0, store=False, reasoning_effort="low",
+            parallel_tool_calls=True, messages=[{"role": "user", "content": "x", "ignored_once_y": 1}])
+    assert set(chat.headers["x-pagedserve-ignored-fields"].split(", ")) == \
+        {"store", "reasoning_effort", "parallel_tool_calls", "messages.0.ignored_once_y"}
+    assert chat.parse().choices[0].message.content is not None
+    once = [r.getMessage() for r in caplog.records if "ignored_once_x" in r.getMessage()]
+    assert len(once) == 1 and "--strict-request-fields" in once[0]
+    plain = client.completions.with_raw_response.create(model=MODEL, prompt="class", max_tokens=2)
+    assert "x-pagedserve-ignored-fields" not in plain.headers
+
+    regex = r"[a-z]{3,8}@[a-z]{2,5}\.com"
+    prompt = random_prompts(1, seed=12)[0]
+    want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60,
+                                                     structured_outputs=StructuredOutputsParams(regex=regex)),
+                            use_tqdm=False)[0].outputs[0]
+    guided = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0.0,
+                                       extra_body={"guided_regex": regex})
+    assert guided.choices[0].text == want.text
+    colors = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "color?"}],
+                                            max_completion_tokens=8, temperature=1.0, seed=3, n=4,
+                                            extra_body={"guided_choice": ["red", "blue"]})
+    assert {c.message.content for c in colors.choices} <= {"red", "blue"}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"guided_regex": "a+",
+                                                                       "structured_outputs": {"regex": "b+"}})
+    assert err.value.body["param"] == "structured_outputs" and "guided_*" in err.value.message
 
 
 def test_chat_errors(client):

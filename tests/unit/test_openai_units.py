@@ -137,6 +137,25 @@ def test_app_before_the_engine_is_up(demo_tokenizer, monkeypatch):
     assert 'code="RESOURCE_EXHAUSTED",model_name="m",protocol="http"} 2.0' in errors  # 413, as gRPC counts it
 
 
+def test_unknown_fields_refused_when_strict(demo_tokenizer):
+    from starlette.testclient import TestClient
+
+    from pagedserve.cluster.server.metrics import GatewayMetrics
+    from pagedserve.cluster.server.openai import app as app_module
+    from pagedserve.cluster.server.state import ServingState
+
+    strict = TestClient(app_module.build_app(ServingState(demo_tokenizer, GatewayMetrics("m"), 10),
+                                             strict_request_fields=True))
+    r = strict.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x", "foo": 1}],
+                                                  "store": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+    assert r.json()["error"]["message"] == \
+        "store: Extra inputs are not permitted; messages.0.foo: Extra inputs are not permitted"
+    r = strict.post("/tokenize", json={"prompt": "x", "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    assert strict.post("/v1/completions", json={"prompt": "x"}).status_code == 503  # known fields: on to the engine
+
+
 def test_structured_outputs_and_response_format_reach_sampling_params():
     from pagedserve.cluster.server.openai.chat_protocol import ChatCompletionRequest
     from pagedserve.cluster.server.openai.completion_protocol import CompletionRequest

@@ -39,6 +39,7 @@ from pagedserve.cluster.server.openai.serving_chat import FIELDS as CHAT_FIELDS
 from pagedserve.cluster.server.openai.serving_chat import ChatServing
 from pagedserve.cluster.server.openai.serving_completions import FIELDS as COMPLETION_FIELDS
 from pagedserve.cluster.server.openai.serving_completions import CompletionServing
+from pagedserve.cluster.server.openai.unknown_fields import UnknownFields
 from pagedserve.cluster.server.state import ServingState
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.errors import EngineUnavailableError
@@ -121,12 +122,14 @@ async def _generation(request: Request, aw: Awaitable[Response], fields: set[str
         raise from_exception(e, fields) from None
 
 
-def build_app(state: ServingState, api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
+def build_app(state: ServingState, api_key: str | None = None, chat_template: str | None = None,
+              strict_request_fields: bool = False) -> FastAPI:
     app = FastAPI(title="pagedserve", version=__version__,
                   description="OpenAI-compatible API of a pagedserve gateway (the gRPC API's twin).")
     app.router.route_class = _Route
     completions = CompletionServing(state)
     chat = ChatServing(state, ChatTemplate(state.tokenizer, chat_template))
+    unknown = UnknownFields(strict_request_fields)
     deps = []
     auth = (401,) if api_key else ()
     if api_key:
@@ -163,13 +166,19 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
     @app.post("/v1/completions", dependencies=deps, response_model=CompletionResponse,
               responses={200: {"content": _EVENT_STREAM}, **generation_errors})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await _generation(request, completions.create(body, request.headers.get("x-session-id")),
-                                 COMPLETION_FIELDS)
+        ignored = unknown.check(body)
+        response = await _generation(request, completions.create(body, request.headers.get("x-session-id")),
+                                     COMPLETION_FIELDS)
+        response.headers.update(ignored)
+        return response
 
     @app.post("/v1/chat/completions", dependencies=deps, response_model=ChatCompletionResponse,
               responses={200: {"content": _EVENT_STREAM}, **generation_errors})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _generation(request, chat.create(body, request.headers.get("x-session-id")), CHAT_FIELDS)
+        ignored = unknown.check(body)
+        response = await _generation(request, chat.create(body, request.headers.get("x-session-id")), CHAT_FIELDS)
+        response.headers.update(ignored)
+        return response
 
     @app.get("/v1/models", dependencies=deps, response_model=ModelList, responses=error_statuses(*auth, 503))
     async def list_models() -> ModelList:
@@ -195,7 +204,8 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
 
     @app.post("/tokenize", dependencies=deps, response_model=TokenizeResponse,
               responses=error_statuses(400, *auth, 404, 413, 503))
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(body: TokenizeRequest, response: Response) -> TokenizeResponse:
+        response.headers.update(unknown.check(body))
         engine = _ready(state)
         served_model(state, body.model)
         limit = engine.info.limits.max_prompt_bytes
@@ -215,7 +225,8 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
 
     @app.post("/detokenize", dependencies=deps, response_model=DetokenizeResponse,
               responses=error_statuses(400, *auth, 404, 413, 503))
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(body: DetokenizeRequest, response: Response) -> DetokenizeResponse:
+        response.headers.update(unknown.check(body))
         _ready(state)
         served_model(state, body.model)
         vocab = len(state.tokenizer)

@@ -15,9 +15,23 @@ TokenId = Annotated[int, Field(ge=0, le=UINT32)]
 
 
 class RequestModel(BaseModel):
-    """Unknown fields are refused (400 naming them), as OpenAI does, rather than silently ignored."""
+    """Unknown fields are kept aside (``model_extra``): the routes ignore them with a warning, as vLLM does, or
+    refuse them (400 naming them) under ``--strict-request-fields`` (see ``unknown_fields``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+
+
+def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The dotted paths of every field ``model`` and the models inside it did not declare, in request order."""
+    found = [prefix + name for name in model.model_extra or ()]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                where = f"{prefix}{name}.{i}." if isinstance(value, list) else f"{prefix}{name}."
+                found += unknown_fields(item, where)
+    return found
 
 
 class ErrorInfo(BaseModel):
@@ -121,6 +135,18 @@ class SamplingRequest(RequestModel):
     return_token_ids: bool = Field(False, description="Add each choice's token ids and the prompt's.")
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's older spelling of structured_outputs (each one of its constraints)
+    guided_json: str | dict[str, Any] | None = Field(None, description="Deprecated: structured_outputs.json.")
+    guided_regex: str | None = Field(None, description="Deprecated: structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(None, description="Deprecated: structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="Deprecated: structured_outputs.grammar.")
+
+    @property
+    def guided(self) -> StructuredOutputs | None:
+        """The guided_* fields given, as ``structured_outputs``."""
+        given = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                   ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
+        return StructuredOutputs(**given) if given else None
 
 
 class ModelCard(BaseModel):

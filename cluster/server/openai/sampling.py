@@ -24,8 +24,13 @@ def check_common(req: SamplingRequest) -> None:
 
 
 def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
-    """vLLM's ``structured_outputs``, or OpenAI's ``response_format`` (not both)."""
-    so, rf = req.structured_outputs, req.response_format
+    """vLLM's ``structured_outputs`` (or its older ``guided_*`` fields), or OpenAI's ``response_format`` (one)."""
+    so, rf, guided = req.structured_outputs, req.response_format, req.guided
+    if guided is not None:
+        if so is not None:
+            raise OpenAIError(400, "set structured_outputs or the older guided_* fields, not both",
+                              "structured_outputs")
+        so = guided
     if so is not None and rf is not None and rf.type != "text":
         raise OpenAIError(400, "set structured_outputs or response_format, not both", "response_format")
     try:
@@ -41,7 +46,8 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
             raise OpenAIError(400, "response_format of type json_schema needs json_schema.schema", "response_format")
         return StructuredOutputsParams(json=rf.json_schema.schema_)
     except ValueError as e:
-        raise OpenAIError(400, str(e), "structured_outputs" if so is not None else "response_format") from None
+        field = "response_format" if so is None else "structured_outputs" if guided is None else "guided_*"
+        raise OpenAIError(400, str(e), field) from None
 
 
 def build_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,

@@ -31,12 +31,13 @@ def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
 class HttpServer:
     def __init__(self, state: ServingState, host: str, port: int, api_key: str | None = None,
                  ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
-                 chat_template: str | None = None, reuse_port: bool = False, gateway_id: str | None = None) -> None:
+                 chat_template: str | None = None, reuse_port: bool = False, gateway_id: str | None = None,
+                 strict_request_fields: bool = False) -> None:
         """``reuse_port``: see ``GrpcServer``; ``gateway_id``: sent in every response's x-pagedserve-gateway header
         (which of several gateway processes answered)."""
         if bool(ssl_certfile) != bool(ssl_keyfile):
             raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
-        self.app = build_app(state, api_key, load_chat_template(chat_template))
+        self.app = build_app(state, api_key, load_chat_template(chat_template), strict_request_fields)
         if gateway_id is not None:
             self.app = _tag_responses(self.app, gateway_id.encode())
         # lifespan off: the gateway owns start-up and shutdown. No access log: a line per request costs the event
