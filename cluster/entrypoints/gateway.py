@@ -30,6 +30,7 @@ from pagedserve.cluster.runtime.routing import (
 from pagedserve.cluster.server.gateway import Gateway
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.cluster.server.state import ModelInfo
+from pagedserve.cluster.server.vllm_metrics import COMPAT_MODES
 from pagedserve.engine.gc_heap import freeze_gc_heap
 from pagedserve.engine.tokenizer import load_tokenizer
 
@@ -66,6 +67,8 @@ class ServeOptions:
     name_replicas: bool = False
     routing_policy: str | None = None  # None: prefix-aware with several replicas, else least-loaded
     routing_balance_factor: float = DEFAULT_BALANCE_FACTOR
+    strict_request_fields: bool = False  # HTTP: unknown request fields are a 400 rather than ignored with a warning
+    metrics_compat: str = "vllm"  # also export vLLM's names for the same series ("none": only pagedserve's)
 
     def __post_init__(self) -> None:
         if self.routing_policy is not None and self.routing_policy not in POLICIES:
@@ -108,10 +111,10 @@ async def run_gateway(spec: GatewaySpec, stop: asyncio.Event | None = None,
     name, replicas = found.result()
     infos = await asyncio.gather(*[r.actor.get_info.remote() for r in replicas])
     tokenizer = load_tokenizer(spec.tokenizer or infos[0].model)
-    metrics = GatewayMetrics(name, spec.engine_metrics)
+    metrics = GatewayMetrics(name, spec.engine_metrics, opts.metrics_compat)
     gateway = Gateway(tokenizer, metrics, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
                       opts.max_concurrent_requests, opts.http_port or None, opts.chat_template, spec.reuse_port,
-                      f"{socket.gethostname()}/{os.getpid()}")
+                      f"{socket.gethostname()}/{os.getpid()}", strict_request_fields=opts.strict_request_fields)
     engine = None
     try:
         await gateway.start()
@@ -183,10 +186,15 @@ def add_server_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="seconds running requests get on SIGTERM")
     g.add_argument("--served-model-name", default=None, help="the model_name label and GetModelInfo name")
     g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0: off)")
+    g.add_argument("--metrics-compat", choices=COMPAT_MODES, default=d.metrics_compat,
+                   help="vllm: also export the series vLLM's dashboards and autoscalers read (vllm:*), with vLLM's "
+                        "names and labels; none: only pagedserve_*")
     g.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                    help="port of the OpenAI-compatible HTTP API (0: off); same key, TLS files and limits as gRPC")
     g.add_argument("--chat-template", default=None,
                    help="chat template file (Jinja) for /v1/chat/completions, overriding the tokenizer's")
+    g.add_argument("--strict-request-fields", action="store_true",
+                   help="HTTP: refuse unknown request fields (400) instead of ignoring them with a warning, as vLLM")
     g.add_argument("--routing-policy", choices=POLICIES, default=None,
                    help="how requests pick a replica (default: prefix-aware with more than one replica, else "
                         "least-loaded)")

@@ -3,12 +3,16 @@ metrics (every replica's, pulled at scrape time through the engine client), all 
 ``model_name``."""
 from __future__ import annotations
 
+import threading
 import time
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import Metric
 
 from pagedserve.cluster.buckets import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS
+from pagedserve.cluster.server.vllm_metrics import COMPAT_MODES, VllmCompatCollector
 from pagedserve.engine.protocol import EngineClient
 
 
@@ -31,6 +35,15 @@ class EngineCollector:
             yield out
 
 
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # no line per scrape on stderr
+        pass
+
+
 PROTOCOLS = ("grpc", "http")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Every status an error can end with, as gRPC's code names (HTTP statuses map onto these).
@@ -41,7 +54,10 @@ class GatewayMetrics:
     """Request metrics, labelled ``model_name`` and ``protocol`` ("grpc" or "http"). Errors carry gRPC's canonical
     code names for both protocols (an HTTP 400 counts as INVALID_ARGUMENT, a 429 as RESOURCE_EXHAUSTED, ...)."""
 
-    def __init__(self, model_name: str, engine_metrics: bool = True) -> None:
+    def __init__(self, model_name: str, engine_metrics: bool = True, compat: str = "vllm") -> None:
+        """``compat``: "vllm" also exports vLLM's names for the same series (``vllm_metrics``); "none" does not."""
+        if compat not in COMPAT_MODES:
+            raise ValueError(f"metrics compat must be one of {', '.join(COMPAT_MODES)}, got {compat!r}")
         self.model_name = model_name
         self._http = None
         self.registry = CollectorRegistry(auto_describe=True)
@@ -67,6 +83,13 @@ class GatewayMetrics:
                                     m, buckets=TOKEN_BUCKETS, **reg)
         self.generation_len = Histogram("pagedserve_request_generation_tokens", "Output tokens of finished requests.",
                                         m, buckets=TOKEN_BUCKETS, **reg)
+        self.max_tokens = Histogram("pagedserve_request_max_generation_tokens",
+                                    "max_tokens of admitted requests (the most each may generate).",
+                                    m, buckets=TOKEN_BUCKETS, **reg)
+        if compat == "vllm":
+            own = [self.finished, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot,
+                   self.e2e, self.prompt_len, self.generation_len, self.max_tokens]
+            self.registry.register(VllmCompatCollector([f.collect for f in own] + [self.engines.collect]))
         # Every series at zero from the first scrape, so dashboards and alerts see 0, not "no data", until then.
         for protocol in PROTOCOLS:
             labels = (model_name, protocol)
@@ -75,11 +98,20 @@ class GatewayMetrics:
             for code in ERROR_CODES:
                 self.errors.labels(*labels, code)
             for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e,
-                           self.prompt_len, self.generation_len):
+                           self.prompt_len, self.generation_len, self.max_tokens):
                 family.labels(*labels)
 
     def start_http_server(self, port: int, host: str = "0.0.0.0") -> int:
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        app = make_wsgi_app(self.registry)
+
+        def text_format(environ, start_response):
+            # Always Prometheus's text format: prometheus_client's OpenMetrics output (what Prometheus asks for
+            # first) writes sample names with label-name escaping, which turns every vllm:* series into vllm_*.
+            environ.pop("HTTP_ACCEPT", None)
+            return app(environ, start_response)
+
+        self._http = make_server(host, port, text_format, _ThreadingWSGIServer, _QuietHandler)
+        threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
         return self._http.server_port
 
     def stop_http_server(self) -> None:
@@ -106,9 +138,10 @@ class RequestTimer:
         self._itl = metrics.itl.labels(*self.labels)
         self._generation_tokens = metrics.generation_tokens.labels(*self.labels)
 
-    def admitted(self, prompt_tokens: int) -> None:
+    def admitted(self, prompt_tokens: int, max_tokens: int) -> None:
         self.m.prompt_tokens.labels(*self.labels).inc(prompt_tokens)
         self.m.prompt_len.labels(*self.labels).observe(prompt_tokens)
+        self.m.max_tokens.labels(*self.labels).observe(max_tokens)
 
     def tokens(self, n: int) -> None:
         if n == 0:

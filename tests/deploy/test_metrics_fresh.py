@@ -1,8 +1,10 @@
 """Metrics from the first scrape: a real Prometheus scraping a gateway that has served nothing yet returns data for
 every dashboard panel's and every alert's PromQL (each labelled series a panel or alert reads exists at zero from
-startup), and no alert fires on that idle, healthy server."""
+startup), for vLLM's own dashboard too (``--metrics-compat vllm``, the default), and no alert fires on that idle,
+healthy server."""
 from __future__ import annotations
 
+import os
 import shutil
 import time
 
@@ -48,6 +50,20 @@ def test_every_panel_and_alert_has_data_before_any_request(fresh):
     assert not empty, "no data on a fresh server:\n" + "\n".join(empty)
     assert fresh.query("sum(pagedserve_request_errors_total) == 0")  # zero, not absent
     assert fresh.query("sum(pagedserve_requests_finished_total) == 0")
+
+
+def test_every_panel_of_vllms_dashboard_has_data(fresh):
+    dashboard = promql.load_dashboard(os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "vllm",
+                                                   "grafana.json"))
+    queries = promql.dashboard_queries(dashboard)
+    assert len(queries) >= 30 and all("vllm:" in q.expr for q in queries)
+    # Its model_name variable is label_values(model_name), matched exactly: the served model, as Grafana finds it.
+    [model] = {r["metric"]["model_name"] for r in fresh.query("group by (model_name) (vllm:num_requests_running)")}
+    empty = [f"panel {q.panel}/{q.ref_id}: {q.expr}" for q in queries
+             if not fresh.query(promql.substitute(q.expr, model_name=model, rate_interval="1m", range_="5m"))]
+    assert not empty, "no data for vLLM's dashboard:\n" + "\n".join(empty)
+    assert fresh.query('sum(vllm:request_success_total{finished_reason="stop"}) == 0')
+    assert fresh.query("vllm:num_requests_waiting == 0") and fresh.query("vllm:kv_cache_usage_perc == 0")
 
 
 def test_no_alert_fires_on_an_idle_server(fresh):

@@ -78,7 +78,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             async for out in outputs:
                 if not admitted:
                     admitted = True
-                    timer.admitted(num_prompt_tokens)
+                    timer.admitted(num_prompt_tokens, core_request.sampling_params.max_tokens
+                                   or engine.info.max_model_len - num_prompt_tokens)
                 resp = builder.build(out)
                 timer.tokens(sum(len(c.token_ids) for c in resp.completions))
                 if out.finished:

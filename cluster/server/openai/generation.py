@@ -167,7 +167,9 @@ class GenerationRun:
             async for i, out in merged:
                 if not self.admitted:
                     self.admitted = True
-                    self.timer.admitted(sum(lens))
+                    limit = engine.info.max_model_len  # max_tokens None: up to the model's length
+                    self.timer.admitted(sum(lens), sum(p.request.sampling_params.max_tokens or limit - n
+                                                       for p, n in zip(self.prompts, lens)))
                 self.timer.tokens(num_new_tokens(out, lens[i]))
                 if out.finished:
                     remaining -= 1
