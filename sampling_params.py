@@ -5,6 +5,11 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# Every new token is matched against every stop string (on the gateway's event loop): bounded, so that one request
+# cannot stall the others.
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -113,8 +118,14 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"must have at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if self.max_stop_str_len > MAX_STOP_STRING_CHARS:
+            bad("stop", f"strings must be at most {MAX_STOP_STRING_CHARS} characters, got {self.max_stop_str_len}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"must have at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
         if self.is_greedy and self.best_of > 1:

@@ -286,7 +286,7 @@ class Server:
         self.proc = subprocess.Popen(
             [exe, "serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
              "--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port),
-             "--max-num-seqs", str(max_num_seqs), "--device", device],
+             "--max-num-seqs", str(max_num_seqs), "--device", device, "--enable-prompt-tokens-details"],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def run(self, protocol: str, wl: Workload, rate: float) -> list[RequestTiming]:

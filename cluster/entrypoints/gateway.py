@@ -27,6 +27,7 @@ from pagedserve.cluster.runtime.routing import (
     default_policy,
     make_policy,
 )
+from pagedserve.cluster.server.api_options import ApiOptions, api_keys
 from pagedserve.cluster.server.gateway import Gateway
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.cluster.server.state import ModelInfo
@@ -69,10 +70,16 @@ class ServeOptions:
     routing_balance_factor: float = DEFAULT_BALANCE_FACTOR
     strict_request_fields: bool = False  # HTTP: unknown request fields are a 400 rather than ignored with a warning
     metrics_compat: str = "vllm"  # also export vLLM's names for the same series ("none": only pagedserve's)
+    disable_fastapi_docs: bool = False
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if self.routing_policy is not None and self.routing_policy not in POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(POLICIES)}, got {self.routing_policy!r}")
+
+    @property
+    def api_options(self) -> ApiOptions:
+        return ApiOptions(self.strict_request_fields, self.disable_fastapi_docs, self.enable_prompt_tokens_details)
 
     def make_policy(self, num_replicas: int) -> RoutingPolicy:
         return make_policy(self.routing_policy or default_policy(num_replicas), self.routing_balance_factor)
@@ -114,7 +121,7 @@ async def run_gateway(spec: GatewaySpec, stop: asyncio.Event | None = None,
     metrics = GatewayMetrics(name, spec.engine_metrics, opts.metrics_compat)
     gateway = Gateway(tokenizer, metrics, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
                       opts.max_concurrent_requests, opts.http_port or None, opts.chat_template, spec.reuse_port,
-                      f"{socket.gethostname()}/{os.getpid()}", strict_request_fields=opts.strict_request_fields)
+                      f"{socket.gethostname()}/{os.getpid()}", api_options=opts.api_options)
     engine = None
     try:
         await gateway.start()
@@ -175,8 +182,11 @@ def add_server_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port, help="gRPC port")
-    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-                   help="require 'authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    g.add_argument("--api-key", action=_ApiKeys, default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require 'authorization: Bearer KEY' with one of the keys given (repeat the flag, or a comma "
+                        "list; default: $PAGEDSERVE_API_KEY)")
+    g.add_argument("--api-key-file", action=_ApiKeys, dest="api_key", metavar="PATH",
+                   help="the keys from a file, one per line (a mounted secret rather than the environment)")
     g.add_argument("--ssl-certfile", default=None)
     g.add_argument("--ssl-keyfile", default=None)
     g.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
@@ -195,6 +205,12 @@ def add_server_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="chat template file (Jinja) for /v1/chat/completions, overriding the tokenizer's")
     g.add_argument("--strict-request-fields", action="store_true",
                    help="HTTP: refuse unknown request fields (400) instead of ignoring them with a warning, as vLLM")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report the prompt tokens served from the prefix cache in usage (HTTP "
+                        "prompt_tokens_details.cached_tokens, gRPC cached_prompt_tokens); off: one tenant would see "
+                        "what another has cached")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json on the HTTP port")
     g.add_argument("--routing-policy", choices=POLICIES, default=None,
                    help="how requests pick a replica (default: prefix-aware with more than one replica, else "
                         "least-loaded)")
@@ -202,6 +218,25 @@ def add_server_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="prefix-aware: a replica's score is its uncached prompt tokens plus this times its queued "
                         "and running work in tokens; higher spreads a hot prefix sooner, 0 routes by cache alone")
     return g
+
+
+class _ApiKeys(argparse.Action):
+    """``--api-key KEY`` (repeatable, or a comma list) and ``--api-key-file PATH`` gather into one comma-separated
+    ``api_key``; given any, they replace $PAGEDSERVE_API_KEY."""
+
+    def __call__(self, parser, ns, value, option_string=None) -> None:
+        if option_string == "--api-key-file":
+            path = value
+            try:
+                with open(path) as f:
+                    value = ",".join(line.strip() for line in f if line.strip())
+            except OSError as e:
+                parser.error(f"--api-key-file: {e}")
+            if not value:
+                parser.error(f"--api-key-file: no key in {path}")
+        given = getattr(ns, "_api_keys_given", [])
+        ns._api_keys_given = [*given, *api_keys(value)]
+        setattr(ns, self.dest, ",".join(ns._api_keys_given) or None)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -39,7 +39,7 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
     metrics = GatewayMetrics(name, compat=opts.metrics_compat)
     gateway = Gateway(tokenizer, metrics, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
                       opts.max_concurrent_requests, opts.http_port or None, opts.chat_template,
-                      strict_request_fields=opts.strict_request_fields)
+                      api_options=opts.api_options)
     await gateway.start()
     if opts.metrics_port:
         gateway.metrics_port = metrics.start_http_server(opts.metrics_port, opts.host)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pagedserve.cluster.server.api_options import ApiOptions, exposure_warning
 from pagedserve.cluster.server.grpc_api.server import GrpcServer
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.cluster.server.openai.server import HttpServer
@@ -20,22 +21,23 @@ class Gateway:
                  api_key: str | None = None, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
                  max_concurrent_requests: int = 4096, http_port: int | None = None,
                  chat_template: str | None = None, reuse_port: bool = False, gateway_id: str | None = None,
-                 strict_request_fields: bool = False) -> None:
+                 api_options: ApiOptions = ApiOptions()) -> None:
         """``http_port``: None serves no HTTP API (0: a free port). ``reuse_port``: share the ports with other gateway
-        processes (SO_REUSEPORT); ``gateway_id``: names this one in HTTP responses' x-pagedserve-gateway header;
-        ``strict_request_fields``: unknown HTTP request fields are a 400 (default: ignored, with a warning)."""
+        processes (SO_REUSEPORT); ``gateway_id``: names this one in HTTP responses' x-pagedserve-gateway header."""
         if max_concurrent_requests < 1:
             raise ValueError(f"max_concurrent_requests must be at least 1, got {max_concurrent_requests}")
+        if (warning := exposure_warning(host, api_key)) is not None:
+            logger.warning(warning)
         self.metrics = metrics
         self.metrics_port: int | None = None
-        self.state = ServingState(tokenizer, metrics, max_concurrent_requests)
+        self.state = ServingState(tokenizer, metrics, max_concurrent_requests, api_options)
         self.gateway_id = gateway_id
         self.grpc = GrpcServer(self.state, host, port, api_key, ssl_certfile, ssl_keyfile, reuse_port)
         self.port = self.grpc.port
         self.http = None
         if http_port is not None:
             self.http = HttpServer(self.state, host, http_port, api_key, ssl_certfile, ssl_keyfile, chat_template,
-                                   reuse_port, gateway_id, strict_request_fields)
+                                   reuse_port, gateway_id, api_options)
         self.http_port = self.http.port if self.http else None
 
     async def start(self) -> None:

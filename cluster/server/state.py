@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from pagedserve.cluster.server.api_options import ApiOptions
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.engine.core_types import EngineInfo
 from pagedserve.engine.protocol import EngineClient
@@ -27,8 +28,10 @@ class ServingState:
     """``max_concurrent_requests``: generation requests in flight at once, over all protocols; one more is refused
     at once with OverloadedError (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
 
-    def __init__(self, tokenizer, metrics: GatewayMetrics, max_concurrent_requests: int) -> None:
+    def __init__(self, tokenizer, metrics: GatewayMetrics, max_concurrent_requests: int,
+                 options: ApiOptions = ApiOptions()) -> None:
         self.tokenizer = tokenizer
+        self.options = options
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
         self.engine: EngineClient | None = None  # set once the replicas are up

@@ -31,7 +31,7 @@ TEMPLATE = f"{default_model_dir()}/chat_template.jinja"  # the demo model's: "# 
 @pytest.fixture(scope="module")
 def server(ray_cluster, llama_dir):
     srv = ServerThread(EngineArgs(model=llama_dir, seed=0), http_port=free_port(), served_model_name=MODEL,
-                       chat_template=TEMPLATE).start()
+                       chat_template=TEMPLATE, enable_prompt_tokens_details=True).start()
     yield srv
     srv.stop()
 
@@ -333,6 +333,9 @@ def test_prefix_cache_hits_show_in_usage(client):
     (dict(prompt="", max_tokens=4), 400, "prompt"),
     (dict(prompt="x", stream=True, best_of=3, n=1, temperature=1.0), 400, "best_of"),
     (dict(prompt="x", logit_bias={"5": 10.0}), 400, "logit_bias"),
+    (dict(prompt="x", stop=[f"s{i}" for i in range(129)]), 400, "stop"),  # each token is matched against each
+    (dict(prompt="x", stop="y" * 1025), 400, "stop"),
+    (dict(prompt="x", extra_body={"stop_token_ids": list(range(1025))}), 400, "stop_token_ids"),
     (dict(prompt="x", model="no-such-model"), 404, "model"),
 ])
 def test_errors_arrive_as_sdk_exceptions(server, client, kw, status, param):
@@ -388,6 +391,19 @@ def test_unknown_fields_are_ignored_and_named_guided_fields_constrain(server, cl
         client.completions.create(model=MODEL, prompt="x", extra_body={"guided_regex": "a+",
                                                                        "structured_outputs": {"regex": "b+"}})
     assert err.value.body["param"] == "structured_outputs" and "guided_*" in err.value.message
+
+
+def test_tools_are_refused_not_ignored(client):
+    """Until tool calling lands, a request that expects tool calls gets a 400 that says so, never a silent answer
+    without them; tool_choice none chats as usual."""
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "time?"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_completion_tokens=2)
+    assert err.value.body["param"] == "tools" and "tool calling" in err.value.message
+    ok = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="none",
+                                        max_completion_tokens=2)
+    assert ok.choices[0].message.content is not None and not ok.choices[0].message.tool_calls
 
 
 def test_chat_errors(client):

@@ -19,6 +19,7 @@ import pytest
 from pagedserve.tests.server_thread import free_port
 
 KEY = "s3cret-http-key"
+FILE_KEY = "second-key-from-a-file"
 PS = [sys.executable, "-m", "pagedserve"]
 
 
@@ -41,11 +42,14 @@ def served(ray_cluster, llama_dir, tls_files, tmp_path_factory):
     cert, key = tls_files
     http_port = free_port()
     log = str(tmp_path_factory.mktemp("serve") / "serve.log")
+    key_file = tmp_path_factory.mktemp("secret") / "api-keys"
+    key_file.write_text(FILE_KEY + "\n")
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     with open(log, "w") as out:
         proc = subprocess.Popen(
             PS + ["serve", "--model", llama_dir, "--host", "127.0.0.1", "--port", str(free_port()),
-                  "--http-port", str(http_port), "--metrics-port", "0", "--api-key", KEY, "--ssl-certfile", cert,
+                  "--http-port", str(http_port), "--metrics-port", "0", "--api-key", KEY,
+                  "--api-key-file", str(key_file), "--ssl-certfile", cert,
                   "--ssl-keyfile", key, "--max-num-seqs", "1", "--max-waiting-requests", "1", "--drain-timeout", "60"],
             env=env, stdout=out, stderr=subprocess.STDOUT)
     s = Served(proc, f"https://127.0.0.1:{http_port}", cert, log, [])
@@ -72,6 +76,17 @@ def served(ray_cluster, llama_dir, tls_files, tmp_path_factory):
         proc.wait(30)
 
 
+def test_cached_prompt_tokens_are_not_reported_by_default(served):
+    """Without --enable-prompt-tokens-details usage has no prompt_tokens_details: a tenant cannot probe what another
+    cached (with the flag: test_openai_api.py's test_prefix_cache_hits_show_in_usage)."""
+    with served.http(headers={"Authorization": f"Bearer {KEY}"}) as c:
+        prompt = list(range(5, 125))
+        for _ in range(2):
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 120
+            assert r.json()["usage"].get("prompt_tokens_details") is None
+
+
 def test_503_while_loading_then_200(served):
     assert served.health_seen == [503, 200]
     assert served.loading_body["error"]["message"] == "not serving: loading"
@@ -93,6 +108,8 @@ def test_api_key_required(served):
     with served.sdk() as c:
         assert c.completions.create(model=None, prompt="class", max_tokens=2).usage.completion_tokens == 2
         assert [m.id for m in c.models.list().data] == [os.path.basename(served_model_dir(served))]
+    with served.sdk(api_key=FILE_KEY) as c:  # either key: --api-key and --api-key-file add up
+        assert c.completions.create(model=None, prompt="class", max_tokens=2).usage.completion_tokens == 2
 
 
 def served_model_dir(served) -> str:

@@ -408,13 +408,14 @@ def test_pods_are_non_root_with_memory_backed_shm():
 def test_secured_api_key_and_tls_from_secrets():
     for names in [("secured",), ("kuberay-dp2", "secured")]:
         tmpl, c = gateway(objects(*names))
-        env = {e["name"]: e for e in c["env"]}
-        assert env["PAGEDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "pagedserve-api-key",
-                                                                           "key": "api-key"}
+        assert "PAGEDSERVE_API_KEY" not in {e["name"] for e in c.get("env", [])}  # a file, not the environment
+        assert {"name": "api-key", "secret": {"secretName": "pagedserve-api-key", "defaultMode": 0o440}} in \
+            tmpl["spec"]["volumes"]
+        assert {"name": "api-key", "mountPath": "/etc/pagedserve/api-key", "readOnly": True} in c["volumeMounts"]
         assert {"name": "tls", "secret": {"secretName": "pagedserve-tls"}} in tmpl["spec"]["volumes"]
         f = flags(c)
         assert f["ssl-certfile"] == "/etc/pagedserve/tls/tls.crt" and f["ssl-keyfile"] == "/etc/pagedserve/tls/tls.key"
-        assert "api-key" not in f  # never on the command line
+        assert f["api-key-file"] == "/etc/pagedserve/api-key/api-key" and "api-key" not in f  # the key never in argv
         # The kubelet's plain gRPC probe cannot speak TLS: the probes run the CLI, verifying against the CA.
         for name in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[name]["exec"]["command"] == [

@@ -111,7 +111,7 @@ def _send_load(srv: ServerThread, prom: promql.LocalPrometheus) -> dict:
 @pytest.fixture(scope="module")
 def stack(ray_cluster, llama_dir, tmp_path_factory):
     srv = ServerThread(EngineArgs(model=llama_dir, seed=0, num_gpu_blocks_override=NUM_GPU_BLOCKS),
-                       metrics_port=free_port()).start()
+                       metrics_port=free_port(), enable_prompt_tokens_details=True).start()
     prom = promql.LocalPrometheus([f"127.0.0.1:{srv.gateway.metrics_port}"],
                                   str(tmp_path_factory.mktemp("prometheus")), scrape_interval=SCRAPE)
     try:

@@ -12,6 +12,7 @@ import pytest
 
 from pagedserve import __version__
 from pagedserve.cluster.entrypoints.serve import ServeOptions, add_arguments
+from pagedserve.cluster.server.api_options import ApiOptions, api_keys, exposure_warning
 from pagedserve.cluster.server.openai.chat_template import ChatTemplate, load_chat_template
 from pagedserve.cluster.server.openai.errors import OpenAIError
 from pagedserve.cluster.server.openai.logprobs import CompletionLogprobsBuilder
@@ -76,6 +77,24 @@ def test_serve_flags():
     ns = p.parse_args(["--http-port", "0", "--chat-template", "t.jinja"])
     assert ns.http_port == 0 and ns.chat_template == "t.jinja"
     assert ServeOptions().http_port == 0  # code that builds its own options opts in
+
+
+def test_api_keys_from_flags_and_a_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).api_key == "from-env"
+    keys = tmp_path / "keys"
+    keys.write_text("k3\n\n k4 \n")
+    ns = p.parse_args(["--api-key", "k1", "--api-key", "k2,", "--api-key-file", str(keys)])
+    assert ns.api_key == "k1,k2,k3,k4" and api_keys(ns.api_key) == ["k1", "k2", "k3", "k4"]  # the env key replaced
+    (tmp_path / "empty").write_text("\n")
+    for bad in (["--api-key-file", str(tmp_path / "empty")], ["--api-key-file", str(tmp_path / "missing")]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    assert exposure_warning("0.0.0.0", None) and exposure_warning("gw.example", "") is not None
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
+    assert exposure_warning("0.0.0.0", "k") is None
 
 
 def test_logprobs_json_safe():
@@ -144,8 +163,8 @@ def test_unknown_fields_refused_when_strict(demo_tokenizer):
     from pagedserve.cluster.server.openai import app as app_module
     from pagedserve.cluster.server.state import ServingState
 
-    strict = TestClient(app_module.build_app(ServingState(demo_tokenizer, GatewayMetrics("m"), 10),
-                                             strict_request_fields=True))
+    state = ServingState(demo_tokenizer, GatewayMetrics("m"), 10)
+    strict = TestClient(app_module.build_app(state, options=ApiOptions(strict_request_fields=True)))
     r = strict.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x", "foo": 1}],
                                                   "store": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "store"
@@ -154,6 +173,9 @@ def test_unknown_fields_refused_when_strict(demo_tokenizer):
     r = strict.post("/tokenize", json={"prompt": "x", "stream_options": {"include_usage": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
     assert strict.post("/v1/completions", json={"prompt": "x"}).status_code == 503  # known fields: on to the engine
+    assert strict.get("/openapi.json").status_code == 200 and strict.get("/docs").status_code == 200
+    bare = TestClient(app_module.build_app(state, options=ApiOptions(disable_docs=True)))
+    assert [bare.get(p).status_code for p in ("/openapi.json", "/docs", "/redoc")] == [404, 404, 404]
 
 
 def test_structured_outputs_and_response_format_reach_sampling_params():

@@ -5,6 +5,7 @@ import hmac
 
 import grpc
 
+from pagedserve.cluster.server.api_options import api_keys
 from pagedserve.cluster.server.metrics import GatewayMetrics
 
 
@@ -13,7 +14,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     which load balancers and Kubernetes probes make without credentials."""
 
     def __init__(self, api_key: str, metrics: GatewayMetrics | None = None) -> None:
-        self.expected = [f"Bearer {api_key}".encode(), api_key.encode()]
+        """``api_key``: one key or a comma-separated list (see ``api_keys``)."""
+        self.expected = [(f"Bearer {k}".encode(), k.encode()) for k in api_keys(api_key)]
         self.metrics = metrics
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
@@ -22,7 +24,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         md = dict(details.invocation_metadata or ())
         given = [md.get("authorization", ""), md.get("x-api-key", "")]
-        if any(hmac.compare_digest(g.encode(), e) for g, e in zip(given, self.expected) if g):
+        if any(hmac.compare_digest(g.encode(), e) for pair in self.expected for g, e in zip(given, pair) if g):
             return handler
         if self.metrics is not None and details.method.endswith("/Generate"):
             self.metrics.request("grpc").error("UNAUTHENTICATED")

@@ -110,6 +110,7 @@ class ResponseBuilder:
     num_prompt_logprobs_sent: int = 0  # entries sent so far; the first prompt token's (None) is skipped
     num_completion_tokens: int = 0
     done: set[int] = field(default_factory=set)  # completions whose finish reason went out
+    cached_prompt_tokens: bool = False  # report them (--enable-prompt-tokens-details)
 
     def build(self, out: RequestOutput | BeamSearchOutput) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=self.request_id, finished=out.finished)
@@ -126,7 +127,8 @@ class ResponseBuilder:
         if out.finished:
             resp.usage.prompt_tokens = len(out.prompt_token_ids)
             resp.usage.completion_tokens = self.num_completion_tokens
-            resp.usage.cached_prompt_tokens = out.num_cached_tokens
+            if self.cached_prompt_tokens:
+                resp.usage.cached_prompt_tokens = out.num_cached_tokens
         return resp
 
     def _completion(self, resp: pb.GenerateResponse, c: CompletionOutput) -> None:

@@ -72,7 +72,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         num_prompt_tokens = len(core_request.prompt_token_ids)
         lp = getattr(parsed.params, "logprobs", None) or 0
         plp = getattr(parsed.params, "prompt_logprobs", None) or 0
-        builder = ResponseBuilder(rid, num_prompt_tokens, lp, plp)
+        builder = ResponseBuilder(rid, num_prompt_tokens, lp, plp,
+                                  cached_prompt_tokens=self.state.options.prompt_tokens_details)
         admitted = False
         async with aclosing(engine.generate(text, core_request, parsed.stream, session_id)) as outputs:
             async for out in outputs:

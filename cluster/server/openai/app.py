@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.types import Message
 
 from pagedserve import __version__
+from pagedserve.cluster.server.api_options import ApiOptions, api_keys
 from pagedserve.cluster.server.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedserve.cluster.server.openai.chat_template import ChatTemplate
 from pagedserve.cluster.server.openai.completion_protocol import CompletionRequest, CompletionResponse
@@ -123,21 +124,23 @@ async def _generation(request: Request, aw: Awaitable[Response], fields: set[str
 
 
 def build_app(state: ServingState, api_key: str | None = None, chat_template: str | None = None,
-              strict_request_fields: bool = False) -> FastAPI:
+              options: ApiOptions = ApiOptions()) -> FastAPI:
+    docs = {} if not options.disable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="pagedserve", version=__version__,
-                  description="OpenAI-compatible API of a pagedserve gateway (the gRPC API's twin).")
+                  description="OpenAI-compatible API of a pagedserve gateway (the gRPC API's twin).", **docs)
     app.router.route_class = _Route
     completions = CompletionServing(state)
     chat = ChatServing(state, ChatTemplate(state.tokenizer, chat_template))
-    unknown = UnknownFields(strict_request_fields)
+    unknown = UnknownFields(options.strict_request_fields)
     deps = []
     auth = (401,) if api_key else ()
     if api_key:
         bearer = HTTPBearer(auto_error=False, description="--api-key")
-        expected = api_key.encode()
+        expected = [k.encode() for k in api_keys(api_key)]
 
         async def require_api_key(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-            if creds is None or not hmac.compare_digest(creds.credentials.encode(), expected):
+            given = creds.credentials.encode() if creds is not None else None
+            if given is None or not any([hmac.compare_digest(given, key) for key in expected]):  # each compared
                 raise OpenAIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")
 

@@ -45,6 +45,16 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = Field(False, description="End the prompt inside the final (assistant) message, "
                                                             "which the model then continues.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
+    # Declared so that they are refused rather than ignored: a client that sends tools expects tool calls back.
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported yet: only with tool_choice none.")
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = Field(None, description="Not supported yet.")
+    function_call: str | dict[str, Any] | None = None
+
+    @property
+    def wants_tool_calls(self) -> bool:
+        tools = bool(self.tools) and self.tool_choice != "none"
+        return tools or (bool(self.functions) and self.function_call != "none")
 
 
 class ChatLogprob(BaseModel):

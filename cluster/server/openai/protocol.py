@@ -60,10 +60,11 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> UsageInfo:
+    """``cached_tokens`` None: no prompt_tokens_details (``--enable-prompt-tokens-details`` off)."""
+    details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+                     total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 class LogprobEntry(BaseModel):
@@ -114,7 +115,7 @@ class SamplingRequest(RequestModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(
-        None, description="Not supported by this engine: only null or an empty object is accepted.")
+        None, max_length=1024, description="Not supported by this engine: only null or an empty object is accepted.")
     user: str | None = None
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, le=INT32, description="-1 or 0: the whole vocabulary.")

@@ -8,6 +8,7 @@ import socket
 
 import uvicorn
 
+from pagedserve.cluster.server.api_options import ApiOptions
 from pagedserve.cluster.server.openai.app import build_app
 from pagedserve.cluster.server.openai.chat_template import load_chat_template
 from pagedserve.cluster.server.state import ServingState
@@ -32,12 +33,12 @@ class HttpServer:
     def __init__(self, state: ServingState, host: str, port: int, api_key: str | None = None,
                  ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
                  chat_template: str | None = None, reuse_port: bool = False, gateway_id: str | None = None,
-                 strict_request_fields: bool = False) -> None:
+                 options: ApiOptions = ApiOptions()) -> None:
         """``reuse_port``: see ``GrpcServer``; ``gateway_id``: sent in every response's x-pagedserve-gateway header
         (which of several gateway processes answered)."""
         if bool(ssl_certfile) != bool(ssl_keyfile):
             raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
-        self.app = build_app(state, api_key, load_chat_template(chat_template), strict_request_fields)
+        self.app = build_app(state, api_key, load_chat_template(chat_template), options)
         if gateway_id is not None:
             self.app = _tag_responses(self.app, gateway_id.encode())
         # lifespan off: the gateway owns start-up and shutdown. No access log: a line per request costs the event

@@ -54,6 +54,9 @@ class ChatServing:
     async def create(self, req: ChatCompletionRequest, session_id: str | None = None) -> Response:
         engine = self.state.ready_engine()
         model = served_model(self.state, req.model)
+        if req.wants_tool_calls:
+            raise OpenAIError(400, "tool calling is not supported by this server yet; send tool_choice \"none\" (or "
+                                   "no tools) to chat without it", "tools" if req.tools else "functions")
         size = sum(len(m.text()) for m in req.messages)
         limit = engine.info.limits.max_prompt_bytes
         if size > limit // 4 and sum(len(m.text().encode("utf-8", "surrogatepass")) for m in req.messages) > limit:
@@ -101,6 +104,7 @@ class _Chat:
         self.model = model
         self.id = f"chatcmpl-{rid}"
         self.prompt = run.prompts[0]
+        self.cached_details = run.state.options.prompt_tokens_details
         self.k = k
         self.created = int(time.time())
         self.extras_sent = False
@@ -145,7 +149,8 @@ class _Chat:
         return ChatChoiceLogprobs(content=chat_logprobs(token_ids, entries or [], self.k, self._decode_one))
 
     def _usage(self):
-        return usage(len(self.prompt.token_ids), self.num_output_tokens, self.num_cached_tokens)
+        return usage(len(self.prompt.token_ids), self.num_output_tokens,
+                     self.num_cached_tokens if self.cached_details else None)
 
     def _beam_choices(self) -> list[tuple[int, str, list[int], str | None]]:
         n_prompt = len(self.prompt.token_ids)

@@ -112,6 +112,7 @@ class _Completion:
         self.model = model
         self.id = f"cmpl-{rid}"
         self.prompts = [_Prompt(p) for p in run.prompts]
+        self.cached_details = serving.state.options.prompt_tokens_details
         self.k = req.logprobs
 
     def _decode_one(self, token_id: int) -> str:
@@ -174,7 +175,8 @@ class _Completion:
         completion = sum(p.num_output_tokens if p.beams is None else
                          sum(len(b.tokens) - len(p.prompt.token_ids) for b in p.beams.sequences[:self.req.n])
                          for p in self.prompts)
-        return usage(prompt, completion, sum(p.num_cached_tokens for p in self.prompts))
+        cached = sum(p.num_cached_tokens for p in self.prompts)
+        return usage(prompt, completion, cached if self.cached_details else None)
 
     def response(self) -> CompletionResponse:
         choices = []

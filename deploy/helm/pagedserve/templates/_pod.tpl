@@ -45,19 +45,15 @@
 - --ssl-certfile=/etc/pagedserve/tls/tls.crt
 - --ssl-keyfile=/etc/pagedserve/tls/tls.key
 {{- end }}
+{{- if $v.apiKey.existingSecret }}
+- --api-key-file=/etc/pagedserve/api-key/{{ $v.apiKey.secretKey }}
+{{- end }}
 {{- range $e.extraArgs }}
 - {{ . | quote }}
 {{- end }}
 {{- end -}}
 
 {{- define "pagedserve.env" -}}
-{{- with .Values.apiKey.existingSecret }}
-- name: PAGEDSERVE_API_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ . }}
-      key: {{ $.Values.apiKey.secretKey }}
-{{- end }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
@@ -133,6 +129,13 @@ grpc:
   secret:
     secretName: {{ $v.tls.existingSecret }}
 {{- end }}
+{{- if and .gateway $v.apiKey.existingSecret }}
+# The key as a file (--api-key-file), not an environment variable every process in the pod would inherit.
+- name: api-key
+  secret:
+    secretName: {{ $v.apiKey.existingSecret }}
+    defaultMode: 0440
+{{- end }}
 {{- end -}}
 
 {{- define "pagedserve.volumeMounts" -}}
@@ -149,6 +152,11 @@ grpc:
 {{- if and .gateway $v.tls.enabled }}
 - name: tls
   mountPath: /etc/pagedserve/tls
+  readOnly: true
+{{- end }}
+{{- if and .gateway $v.apiKey.existingSecret }}
+- name: api-key
+  mountPath: /etc/pagedserve/api-key
   readOnly: true
 {{- end }}
 {{- end -}}

@@ -1,0 +1,33 @@
+"""What the gateway's APIs accept and show, from ``serve``'s flags."""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    strict_request_fields: bool = False  # HTTP: unknown request fields are a 400 rather than ignored with a warning
+    disable_docs: bool = False  # HTTP: no /docs, /redoc or /openapi.json
+    # Usage reports the prompt tokens served from the prefix cache (HTTP prompt_tokens_details.cached_tokens, gRPC
+    # cached_prompt_tokens). Off by default, as vLLM: it tells one tenant what another has cached.
+    prompt_tokens_details: bool = False
+
+
+def api_keys(api_key: str | None) -> list[str]:
+    """The keys an ``api_key`` setting holds: one, or a comma-separated list (``--api-key`` given several times or as
+    a comma list, ``--api-key-file``); a request must present one of them."""
+    return [k.strip() for k in (api_key or "").split(",") if k.strip()]
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """What to warn about serving on ``host`` without a key: None on loopback or with a key."""
+    if api_keys(api_key):
+        return None
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: it may be reachable from elsewhere
+        pass
+    return (f"serving on {host} with no API key: anyone who can reach it can use the model and abort requests "
+            "(--api-key or --api-key-file)")
