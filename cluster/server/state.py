@@ -12,7 +12,7 @@ from pagedserve.cluster.server.api_options import ApiOptions
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.engine.core_types import EngineInfo
 from pagedserve.engine.protocol import EngineClient
-from pagedserve.errors import EngineUnavailableError, OverloadedError
+from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +90,20 @@ class ServingState:
         return self.engine
 
     @contextmanager
-    def request_slot(self) -> Iterator[None]:
-        """Held for the whole of one generation request, so that a drain waits for it."""
-        if self.in_flight >= self.max_concurrent_requests:
+    def request_slot(self, weight: int = 1) -> Iterator[None]:
+        """Held for the whole of one generation request, so that a drain waits for it. ``weight``: the engine
+        sequences it runs (an HTTP batch of P prompts with n samples each takes P x n)."""
+        if weight > self.max_concurrent_requests:  # it could never run: not a retry-later
+            raise InvalidRequestError(f"n: this request runs {weight} sequences (prompts x n), more than the "
+                                      f"server's limit of {self.max_concurrent_requests} (--max-concurrent-requests)")
+        if self.in_flight + weight > self.max_concurrent_requests:
             raise OverloadedError(f"the server is at its limit of {self.max_concurrent_requests} concurrent requests "
                                   "(--max-concurrent-requests); retry later")
-        self.in_flight += 1
+        self.in_flight += weight
         self.idle.clear()
         try:
             yield
         finally:
-            self.in_flight -= 1
+            self.in_flight -= weight
             if self.in_flight == 0:
                 self.idle.set()

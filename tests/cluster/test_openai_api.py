@@ -393,6 +393,28 @@ def test_unknown_fields_are_ignored_and_named_guided_fields_constrain(server, cl
     assert err.value.body["param"] == "structured_outputs" and "guided_*" in err.value.message
 
 
+def test_a_batch_counts_each_sequence_against_the_concurrency_limit(ray_cluster, llama_dir):
+    """--max-concurrent-requests counts engine sequences: a completions batch of P prompts with n samples takes
+    P x n slots (429 while others hold them; 400 when it could never fit)."""
+    srv = ServerThread(EngineArgs(model=llama_dir, seed=0), http_port=free_port(), served_model_name=MODEL,
+                       max_concurrent_requests=4).start()
+    try:
+        with openai.OpenAI(base_url=f"{srv.http_url}/v1", api_key="x", max_retries=0) as c:
+            two_by_two = dict(model=MODEL, prompt=["a", "b"], n=2, temperature=1.0, max_tokens=2)
+            assert len(c.completions.create(**two_by_two).choices) == 4
+            with pytest.raises(openai.BadRequestError) as err:
+                c.completions.create(**{**two_by_two, "prompt": ["a", "b", "c"]})  # 6 > 4
+            assert err.value.body["param"] == "n" and "6 sequences" in err.value.message
+            stream = c.completions.create(model=MODEL, prompt="class", max_tokens=200, temperature=0.0,
+                                          stream=True, extra_body={"ignore_eos": True})
+            next(iter(stream))  # one sequence running: 1 + 4 > 4
+            with pytest.raises(openai.RateLimitError):
+                c.completions.create(**two_by_two)
+            stream.close()
+    finally:
+        srv.stop()
+
+
 def test_tools_are_refused_not_ignored(client):
     """Until tool calling lands, a request that expects tool calls gets a 400 that says so, never a silent answer
     without them; tool_choice none chats as usual."""

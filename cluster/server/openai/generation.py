@@ -145,9 +145,11 @@ class GenerationRun:
         self._closed = False
         self.session_id: str | None = None  # the x-session-id header or the ``user`` field: routing affinity
 
-    def admit(self) -> None:
-        """Raises OverloadedError past --max-concurrent-requests."""
-        self._slot.enter_context(self.state.request_slot())
+    def admit(self, num_prompts: int, params: SamplingParams | BeamSearchParams) -> None:
+        """Takes a slot per engine sequence (prompts x best_of, or x the beam width); raises OverloadedError past
+        --max-concurrent-requests."""
+        per_prompt = params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
+        self._slot.enter_context(self.state.request_slot(num_prompts * per_prompt))
 
     async def add(self, engine: EngineClient, request_id: str, prompt: PromptType,
                   params: SamplingParams | BeamSearchParams, cache_salt: str | None) -> EnginePrompt:

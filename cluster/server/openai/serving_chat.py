@@ -77,7 +77,7 @@ class ChatServing:
         run.session_id = session_id or req.user
         handed_off = False
         try:
-            run.admit()
+            run.admit(1, params)
             await run.add(engine, rid, {"prompt": text, "prompt_token_ids": ids}, params, req.cache_salt)
             chat = _Chat(self.state.tokenizer, req, model, rid, run, k)
             outputs = run.outputs(engine, stream=req.stream and not req.use_beam_search)

@@ -81,7 +81,7 @@ class CompletionServing:
         run.session_id = session_id or req.user
         handed_off = False
         try:
-            run.admit()
+            run.admit(len(prompts), params)
             for i, p in enumerate(prompts):
                 await run.add(engine, rid if len(prompts) == 1 else f"{rid}-{i}", p, params, req.cache_salt)
             completion = _Completion(self, req, model, rid, run)
