@@ -25,14 +25,19 @@ import numpy as np
 from pagedserve.sampling_params import StructuredOutputsParams
 
 _ANY_JSON_OBJECT = '{"type": "object"}'
+# Whitespace between JSON tokens, bounded: a small model sampled at temperature 1 otherwise can spend its whole budget
+# on whitespace that the grammar allows. Enough for pretty-printing a few levels deep. A schema asks otherwise with
+# its own "x-guidance" options (llguidance's whitespace_pattern / whitespace_flexible).
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 
 
 def grammar_spec(so: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (cheap: the compiling is done by the matcher)."""
     if so.json is not None or so.json_object:
         schema = _ANY_JSON_OBJECT if so.json is None else so.json if isinstance(so.json, str) else json.dumps(so.json)
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": not so.disable_any_whitespace})
+        defaults = {"whitespace_flexible": False} if so.disable_any_whitespace else \
+            {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
     if so.regex is not None:
         return llguidance.grammar_from("regex", so.regex)
     if so.choice is not None:

@@ -24,6 +24,11 @@ class ModelInfo:
     data_parallel_size: int
 
 
+# Tokenize and detokenize work before the model is up; until then these bound them (its own limits come with it).
+LOADING_MAX_PROMPT_BYTES = 1 << 20
+LOADING_MAX_TOKEN_IDS = 1 << 16
+
+
 class ServingState:
     """``max_concurrent_requests``: generation requests in flight at once, over all protocols; one more is refused
     at once with OverloadedError (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
@@ -88,6 +93,15 @@ class ServingState:
         if self.engine is None:
             raise EngineUnavailableError("the model is still loading")
         return self.engine
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        return self.model.info.limits.max_prompt_bytes if self.model is not None else LOADING_MAX_PROMPT_BYTES
+
+    @property
+    def max_token_ids(self) -> int:
+        """The most token ids a detokenize call takes: a sequence's worth."""
+        return self.model.info.max_model_len if self.model is not None else LOADING_MAX_TOKEN_IDS
 
     @contextmanager
     def request_slot(self, weight: int = 1) -> Iterator[None]:

@@ -227,6 +227,12 @@ def test_malformed_requests(server):
         with pytest.raises(grpc.RpcError) as err:
             c.stub.Detokenize(pb.DetokenizeRequest(token_ids=[10**6]))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # Tokenize and Detokenize take no more than a prompt may hold (max_prompt_bytes, max_model_len).
+        for call, req, what in [(c.stub.Tokenize, pb.TokenizeRequest(text="x" * 4_000_000), "max_prompt_bytes"),
+                                (c.stub.Detokenize, pb.DetokenizeRequest(token_ids=[5] * 100_000), "max_model_len")]:
+            with pytest.raises(grpc.RpcError) as err:
+                call(req)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and what in err.value.details()
         _wait_idle(c)
 
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import re
+import threading
 import time
 
 import grpc
@@ -413,6 +414,38 @@ def test_a_batch_counts_each_sequence_against_the_concurrency_limit(ray_cluster,
             stream.close()
     finally:
         srv.stop()
+
+
+def test_oversized_chat_fields_are_400_at_once_while_streams_flow(server, client):
+    """A 50 MB role (or name, or chat_template_kwargs) is refused in about the time it takes to read, and a stream
+    running meanwhile never stalls."""
+    gaps, done = [], threading.Event()
+
+    def stream() -> None:
+        last = time.monotonic()
+        for _ in client.completions.create(model=MODEL, prompt="class", max_tokens=200, temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True}):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+        done.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    while not gaps:
+        time.sleep(0.01)
+    for msg, extra, param in [({"role": "u" * 50_000_000, "content": "x"}, {}, "messages.0.role"),
+                              ({"role": "user", "content": "x", "name": "n" * 10_000}, {}, "messages.0.name"),
+                              ({"role": "user", "content": "x"}, {"chat_template_kwargs": {"k": "v" * 70_000}},
+                               "chat_template_kwargs")]:
+        t0 = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=[msg], max_completion_tokens=2, extra_body=extra)
+        assert err.value.body["param"] == param and time.monotonic() - t0 < 5
+    r = httpx2.post(f"{server.http_url}/detokenize", json={"tokens": [5] * 100_000}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and "max_model_len" in r.text
+    t.join(60)
+    assert done.is_set() and len(gaps) >= 100 and max(gaps[1:]) < 1.0, max(gaps[1:])
 
 
 def test_tools_are_refused_not_ignored(client):

@@ -7,11 +7,16 @@ import json
 import re
 
 import jsonschema
+import llguidance
+import llguidance.hf
 import pytest
+from transformers import AutoTokenizer
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.config import default_model_dir
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.scheduler.structured_output import grammar_spec
 from pagedserve.tests.utils import assert_all_blocks_free, random_prompts
 
 SCHEMA = {
@@ -138,3 +143,23 @@ def test_constraint_holds_through_chunked_prefill_preemption_and_prefix_cache(ll
         assert sum(c.finish_reason == "stop" for o in outs for c in o.outputs) >= 24
         assert_all_blocks_free(llm)
 
+
+
+def test_json_whitespace_is_bounded_unless_the_schema_asks_otherwise():
+    """Between JSON tokens at most JSON_WHITESPACE's 16 whitespace characters by default, none with
+    disable_any_whitespace, and what the schema's own x-guidance options say when it has them."""
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    ll_tok = llguidance.hf.from_tokenizer(tok)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def accepts(so: StructuredOutputsParams, text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll_tok, grammar_spec(so))
+        return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and not matcher.is_error()
+
+    pretty = '{\n    "a": 1\n}'
+    assert accepts(StructuredOutputsParams(json=schema), pretty)
+    assert accepts(StructuredOutputsParams(json=schema), "{" + " " * 16 + '"a": 1}')
+    assert not accepts(StructuredOutputsParams(json=schema), "{" + " " * 17 + '"a": 1}')
+    assert not accepts(StructuredOutputsParams(json=schema, disable_any_whitespace=True), '{ "a": 1}')
+    free = {**schema, "x-guidance": {"whitespace_pattern": "[ ]*"}}
+    assert accepts(StructuredOutputsParams(json=free), "{" + " " * 40 + '"a": 1}')

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 
 import pytest
@@ -104,6 +105,17 @@ def test_logprobs_json_safe():
     json.loads(lp.model_dump_json())  # no -Infinity
     body = OpenAIError(429, "full", headers={"Retry-After": "1"}).body()
     assert ErrorResponse.model_validate_json(body.model_dump_json()).error.type == "rate_limit_error"
+
+
+def test_a_bug_answers_with_an_error_id_and_logs_the_detail(caplog):
+    from pagedserve.cluster.server.openai.errors import from_exception
+
+    with caplog.at_level(logging.ERROR, logger="pagedserve.cluster.server.internal_errors"):
+        err = from_exception(KeyError("/srv/models/secret-tenant prompt"))
+    assert err.status == 500 and err.code == "internal_error" and "secret" not in err.message
+    error_id = err.message.split("(id ", 1)[1].split(")", 1)[0]
+    [record] = caplog.records
+    assert error_id in record.getMessage() and "secret-tenant" in repr(record.exc_info[1])
 
 
 def test_error_after_streaming_began_is_one_event_then_done():

@@ -2,13 +2,14 @@
 and streams the responses back, mapping each error type to its status code."""
 from __future__ import annotations
 
-import logging
+import asyncio
 import uuid
 from contextlib import aclosing
 
 import grpc
 
 from pagedserve.cluster.server.grpc_api.protocol import ResponseBuilder, params_from_proto
+from pagedserve.cluster.server.internal_errors import report
 from pagedserve.cluster.server.metrics import RequestTimer
 from pagedserve.cluster.server.state import ServingState
 from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
@@ -16,7 +17,8 @@ from pagedserve.proto.fields import FINISH_NAMES
 from pagedserve.proto.v1 import generation_pb2 as pb
 from pagedserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
-logger = logging.getLogger(__name__)
+INLINE_TOKENIZE_CHARS = 16_384  # longer texts are tokenized off the event loop, which streams the other requests
+INLINE_DETOKENIZE_IDS = 4096
 
 
 def _session_id(context: grpc.aio.ServicerContext) -> str | None:
@@ -53,10 +55,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except EngineUnavailableError as e:
             code = grpc.StatusCode.UNAVAILABLE
             await context.abort(code, str(e))
-        except Exception as e:  # a bug: say what, not a traceback
-            logger.exception("Generate failed")
+        except Exception as e:  # a bug: an error id for the client, the detail in the log
             code = grpc.StatusCode.INTERNAL
-            await context.abort(code, f"internal error: {type(e).__name__}: {e}")
+            await context.abort(code, report(e, "Generate"))
         finally:
             if code is not None:
                 timer.error(code.name)
@@ -88,19 +89,32 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 yield resp
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        tokenizer = self.state.tokenizer
-        ids = tokenizer.encode(request.text) if request.text else []
-        return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
+        tokenizer, text, limit = self.state.tokenizer, request.text, self.state.max_prompt_bytes
+        if len(text) * 4 > limit and len(text.encode("utf-8", "surrogatepass")) > limit:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"text exceeds {limit} bytes (max_prompt_bytes)")
+
+        def run() -> pb.TokenizeResponse:
+            ids = tokenizer.encode(text) if text else []
+            return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
+
+        return await asyncio.to_thread(run) if len(text) > INLINE_TOKENIZE_CHARS else run()
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         tokenizer = self.state.tokenizer
-        vocab = len(tokenizer)
-        bad = [t for t in request.token_ids if t >= vocab]
+        vocab, limit, ids = len(tokenizer), self.state.max_token_ids, list(request.token_ids)
+        if len(ids) > limit:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids: {len(ids)} ids, more than max_model_len ({limit})")
+        bad = [t for t in ids if t >= vocab]
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(text=tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+
+        def run() -> pb.DetokenizeResponse:
+            return pb.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=skip))
+
+        return await asyncio.to_thread(run) if len(ids) > INLINE_DETOKENIZE_IDS else run()
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         try:

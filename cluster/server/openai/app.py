@@ -47,6 +47,7 @@ from pagedserve.errors import EngineUnavailableError
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 INLINE_TOKENIZE_CHARS = 16_384
+INLINE_DETOKENIZE_IDS = 4096
 CLIENT_CLOSED = 499  # nginx's "client closed request": never seen by the client, which is gone
 MAX_BODY_BYTES = 64 * 1024 * 1024  # as gRPC's message limit
 _EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "`data: {chunk}` events, then "
@@ -232,12 +233,18 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
         response.headers.update(unknown.check(body))
         _ready(state)
         served_model(state, body.model)
-        vocab = len(state.tokenizer)
+        vocab, limit = len(state.tokenizer), state.max_token_ids
+        if len(body.tokens) > limit:
+            raise OpenAIError(400, f"tokens: {len(body.tokens)} ids, more than max_model_len ({limit})", "tokens")
         bad = [t for t in body.tokens if t >= vocab]
         if bad:
             raise OpenAIError(400, f"tokens: {bad[:5]} outside the vocabulary [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens,
-                                                                skip_special_tokens=body.skip_special_tokens))
+
+        def run() -> DetokenizeResponse:
+            return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens,
+                                                                    skip_special_tokens=body.skip_special_tokens))
+
+        return await asyncio.to_thread(run) if len(body.tokens) > INLINE_DETOKENIZE_IDS else run()
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:

@@ -20,10 +20,16 @@ class TextContentPart(RequestModel):
     text: str
 
 
+MAX_ROLE_CHARS = 64
+MAX_NAME_CHARS = 256
+MAX_TEMPLATE_KWARGS_CHARS = 64 * 1024  # chat_template_kwargs as JSON
+
+
 class ChatMessage(RequestModel):
-    role: str = Field(..., description="system, developer, user, assistant or tool: as the chat template knows them.")
+    role: str = Field(..., max_length=MAX_ROLE_CHARS,
+                      description="system, developer, user, assistant or tool: as the chat template knows them.")
     content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines), as chat templates expect."""

@@ -2,15 +2,13 @@
 maps to one status (and to the gRPC code name the request metrics count it under)."""
 from __future__ import annotations
 
-import logging
 import re
 
 from fastapi.responses import JSONResponse
 
+from pagedserve.cluster.server.internal_errors import report
 from pagedserve.cluster.server.openai.protocol import ErrorInfo, ErrorResponse
 from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
-
-logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -54,7 +52,7 @@ def _param(message: str, fields: set[str]) -> str | None:
 
 
 def from_exception(e: BaseException, fields: set[str] = frozenset()) -> OpenAIError:
-    """Each pagedserve error type to its status; anything else is a bug: 500, saying what, never a traceback."""
+    """Each pagedserve error type to its status; anything else is a bug: 500 with an error id (``report``)."""
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, InvalidRequestError):
@@ -63,8 +61,7 @@ def from_exception(e: BaseException, fields: set[str] = frozenset()) -> OpenAIEr
         return OpenAIError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, EngineUnavailableError):
         return OpenAIError(503, str(e))
-    logger.error("request failed", exc_info=e)
-    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}")
+    return OpenAIError(500, report(e, "request"), code="internal_error")
 
 
 def model_not_found(name: str, served: str) -> OpenAIError:

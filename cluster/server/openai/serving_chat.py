@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 
 from starlette.responses import Response
 
 from pagedserve.cluster.server.openai.chat_protocol import (
+    MAX_TEMPLATE_KWARGS_CHARS,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -57,7 +59,11 @@ class ChatServing:
         if req.wants_tool_calls:
             raise OpenAIError(400, "tool calling is not supported by this server yet; send tool_choice \"none\" (or "
                                    "no tools) to chat without it", "tools" if req.tools else "functions")
-        size = sum(len(m.text()) for m in req.messages)
+        kwargs = len(json.dumps(req.chat_template_kwargs)) if req.chat_template_kwargs else 0
+        if kwargs > MAX_TEMPLATE_KWARGS_CHARS:
+            raise OpenAIError(400, f"chat_template_kwargs exceed {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON",
+                              "chat_template_kwargs")
+        size = sum(len(m.text()) for m in req.messages) + kwargs
         limit = engine.info.limits.max_prompt_bytes
         if size > limit // 4 and sum(len(m.text().encode("utf-8", "surrogatepass")) for m in req.messages) > limit:
             raise OpenAIError(400, f"the messages exceed {limit} bytes (max_prompt_bytes)", "messages")
