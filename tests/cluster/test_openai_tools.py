@@ -26,8 +26,10 @@ TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, llama_dir):
+    # A concurrency limit bounds what the fuzzer may ask of the engine at once (its n x prompts count against it).
     srv = ServerThread(EngineArgs(model=llama_dir, seed=0), http_port=free_port(), served_model_name=MODEL,
-                       api_key=KEY, chat_template=f"{default_model_dir()}/chat_template.jinja").start()
+                       api_key=KEY, chat_template=f"{default_model_dir()}/chat_template.jinja",
+                       max_concurrent_requests=32).start()
     yield srv
     srv.stop()
 

@@ -5,6 +5,7 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from pagedserve.cluster.server.openai.protocol import (
     UINT32,
@@ -51,11 +52,12 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = Field(False, description="End the prompt inside the final (assistant) message, "
                                                             "which the model then continues.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
-    # Declared so that they are refused rather than ignored: a client that sends tools expects tool calls back.
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported yet: only with tool_choice none.")
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = Field(None, description="Not supported yet.")
-    function_call: str | dict[str, Any] | None = None
+    # Declared (and left out of the schema) so that they are refused rather than ignored: a client that sends tools
+    # expects tool calls back. Only with tool_choice "none" until tool calling lands.
+    tools: SkipJsonSchema[list[dict[str, Any]] | None] = None
+    tool_choice: SkipJsonSchema[str | dict[str, Any] | None] = None
+    functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
+    function_call: SkipJsonSchema[str | dict[str, Any] | None] = None
 
     @property
     def wants_tool_calls(self) -> bool:

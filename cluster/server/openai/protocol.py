@@ -6,6 +6,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 # The wire format's integer ranges (the gRPC proto's uint32 / int32 / uint64): the HTTP API never hands the engine
 # a number the gRPC API could not carry.
@@ -136,11 +137,11 @@ class SamplingRequest(RequestModel):
     return_token_ids: bool = Field(False, description="Add each choice's token ids and the prompt's.")
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
-    # vLLM's older spelling of structured_outputs (each one of its constraints)
-    guided_json: str | dict[str, Any] | None = Field(None, description="Deprecated: structured_outputs.json.")
-    guided_regex: str | None = Field(None, description="Deprecated: structured_outputs.regex.")
-    guided_choice: list[str] | None = Field(None, description="Deprecated: structured_outputs.choice.")
-    guided_grammar: str | None = Field(None, description="Deprecated: structured_outputs.grammar.")
+    # vLLM's older spelling of structured_outputs (each one of its constraints): accepted, left out of the schema.
+    guided_json: SkipJsonSchema[str | dict[str, Any] | None] = None
+    guided_regex: SkipJsonSchema[str | None] = None
+    guided_choice: SkipJsonSchema[list[str] | None] = None
+    guided_grammar: SkipJsonSchema[str | None] = None
 
     @property
     def guided(self) -> StructuredOutputs | None:

@@ -19,7 +19,8 @@ NAME_CHARS = 64  # of each name, in the header and the log
 
 
 def _shown(name: str) -> str:
-    return name[:NAME_CHARS].encode("ascii", "backslashreplace").decode()  # header values are Latin-1
+    """Printable ASCII: control characters and the rest escaped (no header or log line injection)."""
+    return name[:NAME_CHARS].encode("unicode_escape").decode("ascii")
 
 
 class UnknownFields:
