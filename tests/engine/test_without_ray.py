@@ -9,7 +9,7 @@ SCRIPT = """
 import sys
 sys.modules["ray"] = None  # `import ray` now raises ModuleNotFoundError, as where Ray is not installed
 from pagedserve import LLM, SamplingParams
-llm = LLM(sys.argv[1], device="cpu", dtype="float32")
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", attention_backend="torch", num_gpu_blocks_override=16)
 out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
 print("tokens", len(out[0].outputs[0].token_ids))
 try:
