@@ -12,6 +12,7 @@ ratio to each baseline, KV blocks total/peak, KV waste, preemptions, model FLOP 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -54,6 +55,13 @@ def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int, device: str 
             "requests_s": len(wl.prompts) / dt, "kv_blocks_total": core.scheduler.block_manager.num_blocks,
             "kv_blocks_peak": st.peak_blocks_used, "kv_waste": st.waste_sum / max(st.num_steps, 1),
             "preemptions": sum(st.num_preemptions.values()), "steps": st.num_steps}
+
+
+def _release(device: str) -> None:
+    """Free a finished engine's weights and KV cache before the next one sizes its cache from free memory."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> None:
@@ -153,9 +161,11 @@ def main() -> None:
     for name in args.workloads:
         wl = make_workload(name)
         ours = run_pagedserve(model_dir, wl, args.max_num_seqs, args.device, dtype=name_dtype)
+        _release(args.device)
         ours["block_sizes"] = {16: {k: ours[k] for k in ("output_tok_s", "kv_waste")}}
         for bs in args.extra_block_sizes:
             other = run_pagedserve(model_dir, wl, args.max_num_seqs, args.device, bs, name_dtype)
+            _release(args.device)
             ours["block_sizes"][bs] = {k: other[k] for k in ("output_tok_s", "kv_waste")}
             print(f"  block_size {bs}: {other['output_tok_s']:.1f} out tok/s, KV waste {other['kv_waste']:.2%}")
         seq = run_hf_sequential(hf, wl, args.hf_sequential_requests, rng)
