@@ -6,9 +6,11 @@
 #   3. builds deploy/container/Containerfile with the CPU torch wheel that `pip download torch==2.13.0` resolves to
 #      here, and the host's extra CA certificates as a build secret;
 #   4. runs `pagedserve demo` in a container and checks that it prints completions and exits 0;
-#   5. serves from a container with published ports and, from the host, checks `pagedserve health` (SERVING),
-#      the image's HEALTHCHECK, /metrics and a generate call; then stops it with SIGTERM while a stream runs and
-#      checks that the stream completes and the container exits 0 within the drain timeout.
+#   5. serves from a container with a read-only root filesystem, as the Helm chart runs it (writable: /tmp, /dev/shm,
+#      $HOME as a tmpfs, the kernel cache volume), with published ports and, from the host, checks `pagedserve
+#      health` on the gRPC port (SERVING), GET /health on the HTTP port, the image's HEALTHCHECK, /metrics and a
+#      generate call; then stops it with SIGTERM while a stream runs and checks that the stream completes and the
+#      container exits 0 within the drain timeout.
 # Exits non-zero with a message at the first failure; removes its containers either way. Run as root (podman
 # rootful; CI is root here) from anywhere:  bash deploy/container/build_ci_image.sh
 # Environment: PAGEDSERVE (host CLI, default .venv/bin/pagedserve), TORCH_WHEEL (a CPU torch wheel to use instead
@@ -140,12 +142,17 @@ run_demo() {
 host_port() { podman port "$SERVE_CTR" "$1/tcp" | head -1 | sed 's/.*://'; }
 
 start_server() {
-    # Ports published on the host's loopback only, each on a free port podman picks.
+    # Ports published on the host's loopback only, each on a free port podman picks: the image's defaults, the HTTP
+    # API on 8000 (--port) and gRPC on 50051 (--grpc-port), as `vllm serve`.
+    # --read-only keeps /tmp and /dev/shm writable (tmpfs); $HOME is the chart's emptyDir (U: owned by the user).
     # Without systemd podman cannot time the HEALTHCHECK (it logs that on stderr); check_server runs it by hand.
-    podman run -d --name "$SERVE_CTR" --shm-size=1g -v "$KERNEL_CACHE:/var/cache/pagedserve/torch_extensions" \
-        -p 127.0.0.1::50051 -p 127.0.0.1::9400 "$IMAGE" serve --host 0.0.0.0 --drain-timeout "$DRAIN_TIMEOUT" \
-        >/dev/null 2>"$WORK/podman.err" || { cat "$WORK/podman.err" >&2; die "podman run serve"; }
+    podman run -d --name "$SERVE_CTR" --shm-size=1g --read-only --tmpfs /home/pagedserve:rw,exec,U \
+        -v "$KERNEL_CACHE:/var/cache/pagedserve/torch_extensions" \
+        -p 127.0.0.1::50051 -p 127.0.0.1::8000 -p 127.0.0.1::9400 "$IMAGE" serve --host 0.0.0.0 \
+        --drain-timeout "$DRAIN_TIMEOUT" >/dev/null 2>"$WORK/podman.err" ||
+        { cat "$WORK/podman.err" >&2; die "podman run serve"; }
     GRPC="127.0.0.1:$(host_port 50051)"
+    HTTP="127.0.0.1:$(host_port 8000)"
     METRICS="127.0.0.1:$(host_port 9400)"
     local status
     status="$("$PAGEDSERVE" health --server "$GRPC" --wait 300)" || die "health on $GRPC: $status after 300 s"
@@ -165,6 +172,9 @@ import sys, urllib.request
 body = urllib.request.urlopen(f"http://{sys.argv[1]}/metrics", timeout=10).read().decode()
 sys.exit(0 if "pagedserve_generation_tokens_total" in body else 1)
 EOF
+    "$REPO/.venv/bin/python" -c 'import sys, urllib.request
+sys.exit(urllib.request.urlopen(f"http://{sys.argv[1]}/health", timeout=10).status != 200)' "$HTTP" ||
+        die "GET /health on the HTTP API ($HTTP)"
 }
 
 stop_server() {

@@ -1,6 +1,7 @@
 """The image deploy/container/build_ci_image.sh builds keeps what the Helm chart relies on: arguments alone reach
-`pagedserve` under tini, it runs as the chart's user, exposes the chart's ports, and has an empty, writable kernel
-cache where the chart mounts one (the CPU kernel is built on the host that runs it). .ci/run runs this file against
+`pagedserve` under tini, it runs as the chart's user with its home where the chart mounts one (the chart's root
+filesystem is read-only), exposes the chart's ports, and has an empty, writable kernel cache where the chart mounts
+one (the CPU kernel is built on the host that runs it). .ci/run runs this file against
 the image it just built (PAGEDSERVE_IMAGE); elsewhere it skips. The build script itself proves that the image builds
 from its inputs (base image, torch wheels, CA secret), runs the demo, serves, passes its HEALTHCHECK and drains on
 SIGTERM, so none of that is repeated here."""
@@ -17,7 +18,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CHART_VALUES = yaml.safe_load((REPO / "deploy" / "helm" / "pagedserve" / "values.yaml").read_text())
-KERNEL_CACHE = "/var/cache/pagedserve/torch_extensions"  # the chart's kernel-cache mount (templates/_pod.tpl)
+KERNEL_CACHE = CHART_VALUES["scratch"]["kernelCache"]["mountPath"]  # the chart's kernel-cache emptyDir
+HOME = CHART_VALUES["scratch"]["home"]["mountPath"]  # the chart's $HOME emptyDir
 IMAGE = os.environ.get("PAGEDSERVE_IMAGE")
 RUNTIME = shutil.which("podman") or shutil.which("docker")
 
@@ -54,6 +56,12 @@ def test_arguments_alone_reach_pagedserve_under_tini(config):
 def test_runs_as_the_charts_non_root_user():
     ctx = CHART_VALUES["podSecurityContext"]
     assert run("-c", "id -u; id -g", entrypoint="sh").split() == [str(ctx["runAsUser"]), str(ctx["runAsGroup"])]
+
+
+def test_home_is_where_the_chart_mounts_it():
+    # The chart runs the root read-only with HOME on an emptyDir: the image's user has the same home, so the
+    # image alone (podman --read-only --tmpfs HOME) and the chart write to the same places.
+    assert run("-c", 'echo "$HOME"; id -un', entrypoint="sh").split() == [HOME, "pagedserve"]
 
 
 def test_exposes_the_charts_ports(config):

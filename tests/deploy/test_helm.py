@@ -101,6 +101,13 @@ def flags(container: dict) -> dict[str, str]:
     return dict(a[2:].split("=", 1) for a in container["args"] if a.startswith("--") and "=" in a)
 
 
+def all_pods(docs) -> list[tuple[str, dict]]:
+    """pod_templates, with the KubeRay gateway Deployment's pods as role "gateway"."""
+    gateways = [d["spec"]["template"] for d in docs
+                if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-gateway")]
+    return [("gateway" if any(t is g for g in gateways) else role, t) for role, t in pod_templates(docs)]
+
+
 def validate_k8s(obj: dict) -> None:
     try:
         kv.validate(obj, K8S_VERSION, strict=True)
@@ -365,7 +372,7 @@ def test_kuberay_gpus_per_worker_equal_tp_and_replicas_fit():
 def test_probes_point_at_the_grpc_port(value_set):
     _, c = gateway(objects(value_set))
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports["grpc"] == int(flags(c)["port"]) == 50051
+    assert ports["grpc"] == int(flags(c)["grpc-port"]) == 50051
     assert ports["metrics"] == int(flags(c)["metrics-port"])
     for name in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[name]["grpc"] == {"port": ports["grpc"]}, name  # grpc.health.v1, the server's overall health
@@ -375,14 +382,39 @@ def test_probes_point_at_the_grpc_port(value_set):
 
 def test_http_api_port_and_probe():
     _, c = gateway(objects("cpu"))
-    assert flags(c)["http-port"] == "8000" and {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
+    assert flags(c)["port"] == "8000" and {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
     _, c = gateway(objects_for(merged("cpu", **{"probes.handler": "http"})))
     for name in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[name]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
     docs = objects_for(merged("cpu", **{"server.httpApi.enabled": False}))
     _, c = gateway(docs)
-    assert "http-port" not in flags(c) and "http" not in {p["name"] for p in c["ports"]}
+    assert flags(c)["port"] == "0" and "http" not in {p["name"] for p in c["ports"]}  # --port 0: no HTTP API
     assert "http" not in {p["name"] for p in one(docs, "Service")["spec"]["ports"]}
+
+
+PORTS = {"server.httpApi.port": 8080, "server.grpcPort": 9000, "server.metricsPort": 9500}
+
+
+@pytest.mark.parametrize("names", [("cpu",), ("kuberay-dp2",)])
+def test_port_flags_follow_vllm_serve(names):
+    """`--port` is the HTTP API and `--grpc-port` the gRPC API, as `vllm serve` names them, in `serve` and in
+    `gateway` alike; the container ports, the Service and the probes agree with the flags. --http-port is gone."""
+    docs = objects_for(merged(*names, **{"kuberay.gateways.enabled": True}, **PORTS))
+    svc = {p["name"]: (p["port"], p["targetPort"]) for p in one(docs, "Service")["spec"]["ports"]}
+    assert svc == {"grpc": (9000, "grpc"), "http": (8080, "http"), "metrics": (9500, "metrics")}
+    gateways = [(role, t["spec"]["containers"][0]) for role, t in all_pods(docs)
+                if role in ("server", "head", "gateway")]
+    assert len(gateways) == (2 if names == ("kuberay-dp2",) else 1)
+    for role, c in gateways:
+        f = flags(c)
+        assert (f["port"], f["grpc-port"], f["metrics-port"], f["host"]) == ("8080", "9000", "9500", "0.0.0.0"), role
+        assert not [a for a in c["args"] if a.startswith("--http-port")], role
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert (ports["http"], ports["grpc"], ports["metrics"]) == (8080, 9000, 9500), role
+        assert c["readinessProbe"]["grpc"] == {"port": 9000}, role
+    for role, t in all_pods(docs):
+        if role.startswith("worker"):
+            assert "args" not in t["spec"]["containers"][0], role  # `ray start` alone: no API on the workers
 
 
 @pytest.mark.parametrize("value_set", ["cpu", "gpu-tp4", "kuberay-dp2"])
@@ -393,16 +425,179 @@ def test_grace_period_exceeds_drain_timeout(value_set):
         assert tmpl["spec"]["terminationGracePeriodSeconds"] > drain, role
 
 
-def test_pods_are_non_root_with_memory_backed_shm():
-    for role, tmpl in pod_templates(objects("kuberay-dp2")) + pod_templates(objects("cpu")):
+# Where the processes write with a read-only root: Ray's session dir (/tmp/ray) and compilers' temporary files;
+# $HOME (~/.ray/auth_token of the private Ray, ~/.cache, ~/.triton, ~/.nv); the CPU kernel cache.
+SCRATCH = {"tmp": "/tmp", "home": "/home/pagedserve", "kernel-cache": "/var/cache/pagedserve/torch_extensions"}
+EVERY_POD = [(), ("cpu",), ("gpu-tp4",), ("kuberay-dp2", "secured")]
+
+
+@pytest.mark.parametrize("names", EVERY_POD)
+def test_pods_are_non_root_with_a_read_only_root(names):
+    docs = objects_for(merged(*names, **{"kuberay.gateways.enabled": True}))
+    pods = all_pods(docs)
+    assert len(pods) == (4 if names and names[0] == "kuberay-dp2" else 1)  # head, 2 worker groups, gateways
+    for role, tmpl in pods:
         spec = tmpl["spec"]
         assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001, role
-        assert spec["automountServiceAccountToken"] is False
-        c = spec["containers"][0]
-        assert c["securityContext"]["allowPrivilegeEscalation"] is False
-        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in spec["volumes"]
-        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-        assert {"name": "kernel-cache", "mountPath": "/var/cache/pagedserve/torch_extensions"} in c["volumeMounts"]
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, role
+        assert spec["automountServiceAccountToken"] is False, role
+        (c,) = spec["containers"]
+        assert c["securityContext"] == {"readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                                        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}, role
+
+
+@pytest.mark.parametrize("names", EVERY_POD)
+def test_writable_dirs_are_emptydirs(names):
+    """A read-only root leaves the container /dev/shm (memory-backed, Ray's object store) and the scratch
+    emptyDirs; HOME and TORCH_EXTENSIONS_DIR point into them whatever user the pod runs as."""
+    docs = objects_for(merged(*names, **{"kuberay.gateways.enabled": True}))
+    for role, tmpl in all_pods(docs):
+        volumes = {v["name"]: v for v in tmpl["spec"]["volumes"]}
+        c = tmpl["spec"]["containers"][0]
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        shm = "16Gi" if "gpu-tp4" in names else "8Gi"
+        assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}, role
+        assert mounts["dshm"] == {"name": "dshm", "mountPath": "/dev/shm"}, role
+        for name, path in SCRATCH.items():
+            assert volumes[name] == {"name": name, "emptyDir": {}}, role
+            assert mounts[name] == {"name": name, "mountPath": path}, role
+        writable = {m["mountPath"] for m in c["volumeMounts"] if "emptyDir" in volumes[m["name"]]}
+        assert writable == {"/dev/shm", *SCRATCH.values()}, role
+        assert all(m.get("readOnly") for m in c["volumeMounts"] if "emptyDir" not in volumes[m["name"]]), role
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["HOME"] == SCRATCH["home"] and env["TORCH_EXTENSIONS_DIR"] == SCRATCH["kernel-cache"], role
+
+
+def test_scratch_is_configurable():
+    docs = objects_for(merged("kuberay-dp2", **{
+        "scratch.tmp.sizeLimit": "20Gi", "scratch.home.mountPath": "/var/lib/pagedserve",
+        "scratch.kernelCache.mountPath": "/cache/kernels",
+        "scratch.extra": [{"name": "hf", "mountPath": "/hf", "sizeLimit": "1Gi"}],
+        "securityContext": {"readOnlyRootFilesystem": False}}))
+    for role, tmpl in all_pods(docs):
+        volumes = {v["name"]: v for v in tmpl["spec"]["volumes"]}
+        c = tmpl["spec"]["containers"][0]
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert volumes["tmp"]["emptyDir"] == {"sizeLimit": "20Gi"} and volumes["hf"]["emptyDir"] == {"sizeLimit": "1Gi"}
+        assert (mounts["home"], mounts["kernel-cache"], mounts["hf"]) == \
+            ("/var/lib/pagedserve", "/cache/kernels", "/hf"), role
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["HOME"] == "/var/lib/pagedserve" and env["TORCH_EXTENSIONS_DIR"] == "/cache/kernels", role
+        assert c["securityContext"]["readOnlyRootFilesystem"] is False, role  # Helm merges the rest in
+    for d in docs:
+        if d["kind"] not in CUSTOM_KINDS:
+            validate_k8s(d)
+
+
+# ---------------------------------------------------------------- NetworkPolicy
+
+API_FROM = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}},
+            {"ipBlock": {"cidr": "10.0.0.0/8"}}]
+MONITORING = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+               "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+NETPOL = {"networkPolicy.enabled": True, "networkPolicy.api.from": API_FROM,
+          "networkPolicy.metrics.from": MONITORING, "kuberay.gateways.enabled": True}
+ANY = "any source"
+
+
+def admitted(policy: dict, container: dict, port: int) -> list:
+    """The peers the policy admits to a container's TCP port (ANY for every source), read as a CNI would: a rule
+    without ports covers every port; a named port matches the container's port of that name."""
+    names = {p["containerPort"]: p["name"] for p in container.get("ports", [])}
+    out: list = []
+    for rule in policy["spec"].get("ingress", []):
+        ports = rule.get("ports")
+        if ports is None or any(p.get("protocol", "TCP") == "TCP" and p["port"] in (port, names.get(port))
+                                for p in ports):
+            out += rule.get("from") or [ANY]
+    return out
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) == {"matchLabels"}
+    return selector["matchLabels"].items() <= labels.items()
+
+
+def release_peer(peers: list, labels: dict) -> bool:
+    """Whether the peers are exactly this release's pods (a podSelector on its labels)."""
+    return len(peers) == 1 and set(peers[0]) == {"podSelector"} and selects(peers[0]["podSelector"], labels)
+
+
+def test_network_policy_is_off_by_default():
+    for names in [(), ("kuberay-dp2",)]:
+        assert "NetworkPolicy" not in {d["kind"] for d in objects(*names)}
+
+
+@pytest.mark.parametrize("names", [(), ("cpu",), ("gpu-tp4",), ("kuberay-dp2",), ("kuberay-dp2", "secured")])
+def test_network_policy_objects_validate(names):
+    docs = objects_for(merged(*names, **NETPOL, **{"networkPolicy.egress.restricted": True}))
+    pol = one(docs, "NetworkPolicy")
+    for d in docs:
+        if d["kind"] not in CUSTOM_KINDS:
+            validate_k8s(d)
+    # It covers every pod of the release, and nothing selects the pods of another release.
+    for role, tmpl in all_pods(docs):
+        assert selects(pol["spec"]["podSelector"], tmpl["metadata"]["labels"]), role
+    assert pol["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "ps"
+
+
+def test_network_policy_single_node():
+    """The API ports from the configured peers, metrics from the monitoring selector, nothing else: the private Ray
+    talks over the pod's loopback."""
+    docs = objects_for(merged("cpu", **NETPOL))
+    pol = one(docs, "NetworkPolicy")
+    assert pol["spec"]["policyTypes"] == ["Ingress"] and "egress" not in pol["spec"]  # egress open by default
+    (_, tmpl), = all_pods(docs)
+    c = tmpl["spec"]["containers"][0]
+    assert admitted(pol, c, 50051) == API_FROM and admitted(pol, c, 8000) == API_FROM
+    assert admitted(pol, c, 9400) == MONITORING
+    for port in (6379, 8265, 10001, 52365):  # Ray's, had they been reachable
+        assert admitted(pol, c, port) == [], port
+    # Empty `from` lists admit every source, as in a NetworkPolicy itself; with the HTTP API off its port is gone.
+    pol = one(objects_for(merged("cpu", **{"networkPolicy.enabled": True, "server.httpApi.enabled": False})),
+              "NetworkPolicy")
+    assert admitted(pol, c, 50051) == [ANY] and admitted(pol, c, 9400) == [ANY]
+    assert {p["port"] for r in pol["spec"]["ingress"] for p in r["ports"]} == {"grpc", "metrics"}
+
+
+def test_network_policy_kuberay():
+    """The head and the gateways: the API from the configured peers, metrics from monitoring; the Ray ports of every
+    Ray pod from this release's pods (plus networkPolicy.ray.from) and nowhere else."""
+    docs = objects_for(merged("kuberay-dp2", **NETPOL))
+    pol = one(docs, "NetworkPolicy")
+    pods = all_pods(docs)
+    assert sorted(r for r, _ in pods) == ["gateway", "head", "worker:a100", "worker:h100"]
+    for role, tmpl in pods:
+        c, labels = tmpl["spec"]["containers"][0], tmpl["metadata"]["labels"]
+        if role in ("head", "gateway"):  # the release's own pods reach every port of one another
+            for port, peers in [(50051, API_FROM), (8000, API_FROM), (9400, MONITORING)]:
+                got = admitted(pol, c, port)
+                assert got[:-1] == peers and release_peer(got[-1:], labels), (role, port)
+        ray_ports = [6379, 8265, 10001] if role == "head" else [6379, 12345, 52365]
+        for port in ray_ports:
+            peers = admitted(pol, c, port)
+            assert release_peer(peers, labels), (role, port, peers)
+        if role.startswith("worker"):  # no API there: 50051 is just another port, open to the release only
+            assert release_peer(admitted(pol, c, 50051), labels)
+    ray_ns = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ray"}}}
+    pol = one(objects_for(merged("kuberay-dp2", **NETPOL, **{"networkPolicy.ray.from": [ray_ns]})), "NetworkPolicy")
+    _, head = gateway(objects("kuberay-dp2"))
+    peers = admitted(pol, head, 8265)  # the dashboard: the release's pods, then the extra peers
+    assert len(peers) == 2 and peers[1] == ray_ns
+
+
+def test_network_policy_restricted_egress():
+    extra = {"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}], "ports": [{"port": 443, "protocol": "TCP"}]}
+    docs = objects_for(merged("kuberay-dp2", **NETPOL, **{"networkPolicy.egress.restricted": True,
+                                                           "networkPolicy.egress.to": [extra]}))
+    pol = one(docs, "NetworkPolicy")
+    assert pol["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    dns, release, *rest = pol["spec"]["egress"]
+    assert dns == {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}  # to anywhere
+    assert set(release) == {"to"}
+    for role, tmpl in all_pods(docs):
+        assert release_peer(release["to"], tmpl["metadata"]["labels"]), role
+    assert rest == [extra]
 
 
 def test_secured_api_key_and_tls_from_secrets():
@@ -470,6 +665,13 @@ BAD_VALUES = {
     "bad worker group name": {"mode": "kuberay", "kuberay": {"workerGroups": [{"name": "GPU_A", "replicas": 1}]}},
     "unknown update strategy": {"singleNode": {"strategy": {"type": "BlueGreen"}}},
     "bad scrape interval": {"metrics": {"serviceMonitor": {"enabled": True, "interval": "15 seconds"}}},
+    "a misspelt peer": {"networkPolicy": {"enabled": True, "api": {"from": [{"podselector": {}}]}}},
+    "an empty peer": {"networkPolicy": {"enabled": True, "metrics": {"from": [{}]}}},
+    "egress restricted as a string": {"networkPolicy": {"egress": {"restricted": "yes"}}},
+    "a relative scratch path": {"scratch": {"tmp": {"mountPath": "tmp"}}},
+    "a scratch size that is no quantity": {"scratch": {"home": {"sizeLimit": "lots"}}},
+    "an extra scratch dir named as a built-in one": {"scratch": {"extra": [{"name": "tmp", "mountPath": "/t"}]}},
+    "an extra scratch dir without a path": {"scratch": {"extra": [{"name": "x"}]}},
     # Checked by the templates (a schema cannot compare two values):
     "grace period within the drain": {"terminationGracePeriodSeconds": 30, "engine": {"drainTimeout": 30}},
     "http probe without the http api": {"probes": {"handler": "http"}, "server": {"httpApi": {"enabled": False}}},
@@ -494,9 +696,12 @@ def test_schema_rejections_name_the_field():
         render({"terminationGracePeriodSeconds": 10})
 
 
-def test_default_values_render():
-    docs = objects_for({})
+@pytest.mark.parametrize("overrides", [{}, {"networkPolicy.enabled": True}])
+def test_default_values_render(overrides):
+    docs = objects_for(merged(**overrides))
     assert one(docs, "Deployment")["spec"]["replicas"] == 1
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "PodDisruptionBudget"} | (
+        {"NetworkPolicy"} if overrides else set())
     for d in docs:
         validate_k8s(d)
 

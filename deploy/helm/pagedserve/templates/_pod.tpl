@@ -13,12 +13,7 @@
 {{- $e := $v.engine -}}
 - --log-level={{ $v.server.logLevel }}
 - serve
-- --host=0.0.0.0
-- --port={{ $v.server.grpcPort }}
-- --metrics-port={{ $v.server.metricsPort }}
-{{- if $v.server.httpApi.enabled }}
-- --http-port={{ $v.server.httpApi.port }}
-{{- end }}
+{{ include "pagedserve.portArgs" . }}
 {{- with include "pagedserve.modelDir" . }}
 - --model={{ . }}
 {{- end }}
@@ -53,7 +48,22 @@
 {{- end }}
 {{- end -}}
 
+{{/* Where the servers listen, as `vllm serve` names it: --port the HTTP API (0: none), --grpc-port the gRPC API. */}}
+{{- define "pagedserve.portArgs" -}}
+{{- $s := .Values.server -}}
+- --host=0.0.0.0
+- --port={{ if $s.httpApi.enabled }}{{ $s.httpApi.port }}{{ else }}0{{ end }}
+- --grpc-port={{ $s.grpcPort }}
+- --metrics-port={{ $s.metricsPort }}
+{{- end -}}
+
+{{/* The environment of every container: HOME and the kernel cache on their emptyDirs (whatever user the pod runs
+   as), then values' env. */}}
 {{- define "pagedserve.env" -}}
+- name: HOME
+  value: {{ .Values.scratch.home.mountPath | quote }}
+- name: TORCH_EXTENSIONS_DIR
+  value: {{ .Values.scratch.kernelCache.mountPath | quote }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
@@ -108,6 +118,15 @@ grpc:
 {{- end }}
 {{- end -}}
 
+{{/* The emptyDirs of values' scratch: name, mountPath and sizeLimit of each. */}}
+{{- define "pagedserve.scratchDirs" -}}
+{{- $s := .Values.scratch -}}
+{{- $dirs := list (dict "name" "tmp" "mountPath" $s.tmp.mountPath "sizeLimit" $s.tmp.sizeLimit)
+                  (dict "name" "home" "mountPath" $s.home.mountPath "sizeLimit" $s.home.sizeLimit)
+                  (dict "name" "kernel-cache" "mountPath" $s.kernelCache.mountPath "sizeLimit" $s.kernelCache.sizeLimit) -}}
+{{- toYaml (dict "dirs" (concat $dirs (default list $s.extra))) -}}
+{{- end -}}
+
 {{/* Volumes of a pod; pass (dict "ctx" $ "gateway" true|false). */}}
 {{- define "pagedserve.volumes" -}}
 {{- $v := .ctx.Values -}}
@@ -115,9 +134,16 @@ grpc:
   emptyDir:
     medium: Memory
     sizeLimit: {{ $v.shm.sizeLimit }}
-# The CPU attention kernel is built with -march=native at first start: a cache per pod, never shared across nodes.
-- name: kernel-cache
+# Where the processes write (values' scratch): the root filesystem is read-only (securityContext).
+{{- range (include "pagedserve.scratchDirs" .ctx | fromYaml).dirs }}
+- name: {{ .name }}
+  {{- if .sizeLimit }}
+  emptyDir:
+    sizeLimit: {{ .sizeLimit }}
+  {{- else }}
   emptyDir: {}
+  {{- end }}
+{{- end }}
 {{- if eq $v.model.source "pvc" }}
 - name: model
   persistentVolumeClaim:
@@ -142,8 +168,10 @@ grpc:
 {{- $v := .ctx.Values -}}
 - name: dshm
   mountPath: /dev/shm
-- name: kernel-cache
-  mountPath: /var/cache/pagedserve/torch_extensions
+{{- range (include "pagedserve.scratchDirs" .ctx | fromYaml).dirs }}
+- name: {{ .name }}
+  mountPath: {{ .mountPath }}
+{{- end }}
 {{- if eq $v.model.source "pvc" }}
 - name: model
   mountPath: {{ $v.model.mountPath }}
