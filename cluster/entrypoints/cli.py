@@ -17,6 +17,7 @@ COMMANDS = {
     "client": ("pagedserve.cluster.entrypoints.client_cli",
                "send a prompt to a running server and print the completion"),
     "health": ("pagedserve.cluster.entrypoints.health", "print a server's gRPC health; exit 0 if SERVING"),
+    "doctor": ("pagedserve.cluster.entrypoints.doctor", "preflight checks on every node; exit 0 if all pass"),
     "demo": ("pagedserve.cluster.entrypoints.demo",
              "start the whole cluster, stream a few concurrent requests over gRPC, stop"),
 }

@@ -16,6 +16,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.cluster.runtime.engine_core_actor import EngineCoreActor
+from pagedserve.cluster.runtime.preflight import check_placement_group
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.executor.ray_utils import ensure_ray, make_placement_group, rank_bundle, rank_cpus
 from pagedserve.errors import EngineUnavailableError
@@ -67,6 +68,10 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
                 bundles = [{"CPU": CORE_ACTOR_CPUS}] + [rank_bundle(cpu, gpu)] * tp
                 opts = {"num_cpus": CORE_ACTOR_CPUS}
             pg = make_placement_group(bundles, f"replica{i}", detached=name is not None)
+            report = check_placement_group(pg, config)  # before the engine loads: fail in seconds, with the fixes
+            if not report.ok:
+                remove_placement_group(pg)
+                raise ValueError(f"preflight failed for replica {i} on {report.label}: {report.failures()}")
             threads = max(1, (os.cpu_count() or 1) // data_parallel_size) if in_actor else 1
             named = {} if name is None else {"name": replica_name(name, i), "namespace": NAMESPACE,
                                              "lifetime": "detached"}

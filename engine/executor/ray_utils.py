@@ -39,10 +39,11 @@ def rank_bundle(cpu: float, gpu: bool) -> dict[str, float]:
     return {"GPU": 1, "CPU": cpu} if gpu else {"CPU": cpu}
 
 
-def make_placement_group(bundles: list[dict[str, float]], role: str, detached: bool = False) -> PlacementGroup:
+def make_placement_group(bundles: list[dict[str, float]], role: str, detached: bool = False,
+                         timeout: float = PLACEMENT_TIMEOUT_S) -> PlacementGroup:
     """One engine's resources on one node (a TP group never spans nodes). ``role`` names it, so that an engine
     that cannot be placed can say which others hold the resources. Raises RuntimeError saying why, within
-    ``HELD_CHECK_S`` when other placement groups hold what it needs, else after ``PLACEMENT_TIMEOUT_S``.
+    ``HELD_CHECK_S`` when other placement groups hold what it needs, else after ``timeout`` seconds.
     ``detached``: it outlives the process that made it (removed with ``remove_placement_group``)."""
     name = f"pagedserve-{role}-pid{os.getpid()}-{next(_names)}"
     pg = placement_group(bundles, strategy="STRICT_PACK", name=name, lifetime="detached" if detached else None)
@@ -54,11 +55,28 @@ def make_placement_group(bundles: list[dict[str, float]], role: str, detached: b
         except ray.exceptions.GetTimeoutError:
             waited = time.monotonic() - start
             why = _unplaceable(bundles, name) if waited > HELD_CHECK_S else None
-            if why is None and waited > PLACEMENT_TIMEOUT_S:
-                why = f"{name} was not placed in {PLACEMENT_TIMEOUT_S} s (available: {ray.available_resources()})"
+            if why is None and waited > timeout:
+                why = _not_placed(bundles, name, timeout)
             if why is not None:
                 remove_placement_group(pg)
                 raise RuntimeError(why) from None
+
+
+def _not_placed(bundles: list[dict[str, float]], name: str, timeout: float) -> str:
+    """What ``bundles`` ask for against what the cluster has, for one that waited ``timeout`` s in vain."""
+    keys = sorted({k for b in bundles for k in b})
+    need = {k: sum(b.get(k, 0.0) for b in bundles) for k in keys}
+    total, free = ray.cluster_resources(), ray.available_resources()
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    most = {k: max((r.get(k, 0.0) for r in nodes), default=0.0) for k in keys}
+    return (f"{name} was not placed in {timeout:g} s: it needs {_amounts(need)} on one node; the cluster has "
+            f"{_amounts({k: total.get(k, 0.0) for k in keys})} ({_amounts({k: free.get(k, 0.0) for k in keys})} "
+            f"free), no more than {_amounts(most)} on any of its {len(nodes)} node(s). Add a node with those "
+            "resources, or ask for less (--tensor-parallel-size, --data-parallel-size)")
+
+
+def _amounts(resources: dict[str, float]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in resources.items())
 
 
 def _unplaceable(bundles: list[dict[str, float]], name: str) -> str | None:
