@@ -1,7 +1,8 @@
 """The Helm chart in deploy/helm/pagedserve, rendered by Helm itself (Helm 4's Go SDK through helm-python-sdk) for
 the value sets in its ci/ folder, and checked without a cluster: `helm lint --strict`; every built-in object against
 the Kubernetes JSON schema in strict mode (kubernetes-validate); the custom resources field by field against what the
-KubeRay and Prometheus-operator CRDs document; and assertions on the rendered objects in the manner of helm-unittest.
+KubeRay, Prometheus-operator and KEDA CRDs document; and assertions on the rendered objects in the manner of
+helm-unittest.
 deploy/helm/install_helm.sh installs both tools."""
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "pagedserve"
 VALUE_SETS = sorted(p.stem.removesuffix("-values") for p in (CHART / "ci").glob("*-values.yaml"))
 K8S_VERSION = "1.37.0"  # the newest Kubernetes kubernetes-validate has schemas for
-CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PrometheusRule"}
+# Not in Kubernetes' schema: checked field by field against their CRDs' documentation below.
+CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PrometheusRule", "ScaledObject"}
 GPU = "nvidia.com/gpu"
 
 
@@ -126,7 +128,8 @@ def test_lint_strict(value_set):
 
 
 def test_value_sets_cover_the_issue():
-    assert set(VALUE_SETS) == {"cpu", "gpu-tp4", "kuberay-dp2", "secured", "observability"}
+    assert set(VALUE_SETS) == {"cpu", "gpu-tp4", "kuberay-dp2", "secured", "observability", "keda",
+                               "kuberay-autoscale"}
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -680,6 +683,44 @@ BAD_VALUES = {
     "too few gpus for dp": {"mode": "kuberay", "gpu": {"enabled": True},
                             "engine": {"tensorParallelSize": 2, "dataParallelSize": 3},
                             "kuberay": {"workerGroups": [{"name": "g", "replicas": 1, "gpusPerPod": 4}]}},
+    # Elastic replicas (issue 34): server.autoscale as `serve --autoscale` parses it, KubeRay's worker ranges, KEDA.
+    "an autoscale key serve does not know": {"server": {"autoscale": "min=1,max=4,queue=3"}},
+    "an autoscale without KEY=VALUE": {"server": {"autoscale": "max"}},
+    "an autoscale min of zero": {"server": {"autoscale": "min=0,max=2"}},
+    "an autoscale max that is no integer": {"server": {"autoscale": "max=2.5"}},
+    "an autoscale target of zero": {"server": {"autoscale": "waiting=0"}},
+    "an autoscale as a number": {"server": {"autoscale": 4}},
+    "an autoscale min above max": {"server": {"autoscale": "min=3,max=2"}},
+    "an autoscale min above the default max": {"server": {"autoscale": "min=5"}},
+    "an unknown upscaling mode": {"mode": "kuberay", "kuberay": {"autoscaling": {"upscalingMode": "Eager"}}},
+    "a negative idle timeout": {"mode": "kuberay", "kuberay": {"autoscaling": {"idleTimeoutSeconds": -1}}},
+    "a worker group's maxReplicas of zero": {"mode": "kuberay", "kuberay": {"workerGroups": [
+        {"name": "g", "replicas": 1, "maxReplicas": 0}]}},
+    "worker replicas outside min..max": {"mode": "kuberay", "kuberay": {
+        "autoscaling": {"enabled": True}, "workerGroups": [{"name": "g", "replicas": 3, "minReplicas": 0,
+                                                            "maxReplicas": 2}]}},
+    "autoscale max beyond the worker pods": {"mode": "kuberay", "gpu": {"enabled": True},
+                                             "server": {"autoscale": "min=1,max=3"},
+                                             "kuberay": {"workerGroups": [{"name": "g", "replicas": 2}]}},
+    "autoscale max beyond the worker groups' maxReplicas": {
+        "mode": "kuberay", "gpu": {"enabled": True}, "server": {"autoscale": "max=4"},
+        "kuberay": {"autoscaling": {"enabled": True},
+                    "workerGroups": [{"name": "g", "replicas": 1, "maxReplicas": 3}]}},
+    "keda in kuberay mode": {"mode": "kuberay", "keda": {"enabled": True}},
+    "keda with the in-server autoscaler": {"keda": {"enabled": True}, "server": {"autoscale": "max=2"}},
+    "keda min above max": {"keda": {"enabled": True, "minReplicaCount": 5, "maxReplicaCount": 2}},
+    "keda scaling to zero": {"keda": {"enabled": True, "minReplicaCount": 0}},
+    "keda without triggers": {"keda": {"enabled": True, "triggers": []}},
+    "a keda trigger without a threshold": {"keda": {"enabled": True, "triggers": [{"query": "up"}]}},
+    "a keda threshold of zero": {"keda": {"enabled": True, "triggers": [{"query": "up", "threshold": "0.0"}]}},
+    "a keda threshold below zero": {"keda": {"enabled": True, "triggers": [{"query": "up", "threshold": -2}]}},
+    "a keda metric type HPA has not": {"keda": {"enabled": True, "triggers": [
+        {"query": "up", "threshold": "1", "metricType": "Utilization"}]}},
+    "keda trigger names used twice": {"keda": {"enabled": True, "triggers": [
+        {"name": "a", "query": "up", "threshold": "1"}, {"name": "a", "query": "up", "threshold": "2"}]}},
+    "a prometheus address that is no url": {"keda": {"prometheus": {"serverAddress": "prometheus:9090"}}},
+    "extra metadata overriding the query": {"keda": {"prometheus": {"extraMetadata": {"query": "up"}}}},
+    "a scale-down window beyond the hpa's": {"keda": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 7200}}}},
 }
 
 
@@ -720,3 +761,225 @@ def test_kuberay_gateway_deployment():
     svc = one(docs, "Service")
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+
+
+# ---------------------------------------------------------------- elastic replicas (issue 34)
+
+AUTOSCALE = "min=1,max=2,waiting=4"
+
+
+@pytest.mark.parametrize("names", [("cpu",), ("kuberay-dp2",)])
+def test_autoscale_flag(names):
+    """server.autoscale becomes `serve --autoscale=...` (single node and KubeRay head), whitespace dropped; unset,
+    no flag: the server then only exports its decision."""
+    assert "autoscale" not in flags(gateway(objects(*names))[1])
+    docs = objects_for(merged(*names, **{"server.autoscale": " min=1, max=2,waiting=4 "}))
+    _, c = gateway(docs)
+    assert flags(c)["autoscale"] == AUTOSCALE
+    assert [a for a in c["args"] if a.startswith("--autoscale")] == [f"--autoscale={AUTOSCALE}"]
+    for d in docs:
+        if d["kind"] not in CUSTOM_KINDS:
+            validate_k8s(d)
+
+
+def test_autoscale_value_follows_serve():
+    """What the schema admits, `serve --autoscale` parses the same way (every key, any subset)."""
+    from pagedserve.cluster.runtime.autoscaler import AutoscalePolicy
+    for spec in ["max=2", "min=2,max=8,waiting=2.5,kv_usage=0.9,ttft_p90=1.5,interval=2,scale_out_cooldown=0,"
+                 "scale_in_cooldown=600", "kv_usage=.75", "min=1, max=3"]:
+        _, c = gateway(objects_for(merged("cpu", **{"server.autoscale": spec})))
+        AutoscalePolicy.parse(flags(c)["autoscale"])
+
+
+def test_single_node_autoscale_gets_gpus_for_max_replicas():
+    """In one pod the replicas share its GPUs: it holds tensorParallelSize x max of them (serve's default max is 4),
+    never fewer than the data-parallel replicas it starts with."""
+    def gpus(**overrides):
+        return gateway(objects_for(merged("gpu-tp4", **overrides)))[1]["resources"]["limits"][GPU]
+    assert gpus() == 4
+    assert gpus(**{"server.autoscale": "min=1,max=3"}) == 12
+    assert gpus(**{"server.autoscale": "min=1"}) == 16  # max defaults to 4
+    assert gpus(**{"server.autoscale": "max=2,max=1", "engine.dataParallelSize": 2}) == 8  # the last max counts
+
+
+# KubeRay v1.5's AutoscalerOptions (ray.io_rayclusters.yaml).
+AUTOSCALER_OPTIONS = {"resources": dict, "image": str, "imagePullPolicy": str, "env": list, "envFrom": list,
+                      "volumeMounts": list, "securityContext": dict, "idleTimeoutSeconds": int,
+                      "upscalingMode": str, "version": str}
+
+
+def test_kuberay_workers_are_fixed_without_autoscaling():
+    rc = one(objects("kuberay-dp2"), "RayCluster")
+    assert "enableInTreeAutoscaling" not in rc["spec"] and "autoscalerOptions" not in rc["spec"]
+    for g in rc["spec"]["workerGroupSpecs"]:
+        assert g["minReplicas"] == g["replicas"] == g["maxReplicas"]
+
+
+def test_kuberay_in_tree_autoscaling():
+    """The Ray autoscaler sidecar: a pending placement group (a replica --autoscale adds) makes KubeRay add a worker
+    pod within minReplicas..maxReplicas. The sidecar is hardened as every container, writes only to emptyDirs, and
+    alone gets the ServiceAccount token it needs for the Kubernetes API."""
+    docs = objects("kuberay-autoscale")
+    rc = one(docs, "RayCluster")
+    spec = rc["spec"]
+    check_fields(spec, RAYCLUSTER_SPEC, "spec")
+    assert spec["enableInTreeAutoscaling"] is True
+    opts = spec["autoscalerOptions"]
+    check_fields(opts, AUTOSCALER_OPTIONS, "autoscalerOptions")
+    assert opts["idleTimeoutSeconds"] == 120 and opts["upscalingMode"] in ("Default", "Aggressive", "Conservative")
+    values_sc = yaml.safe_load((CHART / "values.yaml").read_text())["securityContext"]
+    assert opts["securityContext"] == values_sc
+    (g,) = spec["workerGroupSpecs"]
+    check_fields(g, WORKER_GROUP, "workerGroupSpecs[gpu]")
+    assert (g["minReplicas"], g["replicas"], g["maxReplicas"]) == (0, 1, 4)
+    assert g["template"]["spec"]["containers"][0]["resources"]["limits"][GPU] == 2
+    _, head = gateway(docs)
+    assert flags(head)["autoscale"] == "min=1,max=4,waiting=4,kv_usage=0.8,ttft_p90=2"
+    head_spec = spec["headGroupSpec"]["template"]["spec"]
+    assert head_spec["automountServiceAccountToken"] is False  # the token goes to the sidecar only
+    volumes = {v["name"]: v for v in head_spec["volumes"]}
+    for m in opts["volumeMounts"]:
+        assert m["name"] in volumes, m  # the sidecar mounts the head pod's volumes
+        assert m["name"] == "autoscaler-token" or "emptyDir" in volumes[m["name"]], m
+    token = volumes["autoscaler-token"]["projected"]["sources"]
+    assert token[0] == {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}}
+    assert {"name": "autoscaler-token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+            "readOnly": True} in opts["volumeMounts"]
+    assert "autoscaler-token" not in {m["name"] for m in head["volumeMounts"]}
+    assert {"name": "HOME", "value": "/home/pagedserve"} in opts["env"]
+    # The head and worker templates, the token volume included, are valid PodTemplateSpecs; the sidecar's settings
+    # are valid container fields.
+    for role, tmpl in pod_templates(docs):
+        validate_k8s({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.replace(":", "-")},
+                      "template": tmpl})
+    sidecar = {"name": "autoscaler", "image": "x", **{k: opts[k] for k in ("securityContext", "env", "volumeMounts")}}
+    validate_k8s({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "autoscaler"},
+                  "template": {"spec": {"containers": [sidecar], "volumes": head_spec["volumes"]}}})
+    for d in docs:
+        if d["kind"] not in CUSTOM_KINDS:
+            validate_k8s(d)
+    assert "KubeRay's autoscaler adds and removes worker pods" in render(merged("kuberay-autoscale"))[
+        "pagedserve/templates/NOTES.txt"]
+
+
+def test_kuberay_worker_range_defaults():
+    """With autoscaling and no range given, a group goes from 0 pods up to its replicas."""
+    rc = one(objects_for(merged("kuberay-dp2", **{"kuberay.autoscaling.enabled": True})), "RayCluster")
+    for g in rc["spec"]["workerGroupSpecs"]:
+        assert (g["minReplicas"], g["maxReplicas"]) == (0, g["replicas"])
+    assert "resources" not in rc["spec"]["autoscalerOptions"]  # KubeRay's default for the sidecar
+
+
+# keda.sh/v1alpha1 ScaledObject as KEDA 2.x documents it (keda.sh_scaledobjects.yaml), and its Prometheus scaler.
+SCALEDOBJECT_SPEC = {
+    "scaleTargetRef": {"apiVersion": str, "kind": str, "name": str, "envSourceContainerName": str},
+    "pollingInterval": int, "cooldownPeriod": int, "initialCooldownPeriod": int, "idleReplicaCount": int,
+    "minReplicaCount": int, "maxReplicaCount": int,
+    "fallback": {"failureThreshold": int, "replicas": int, "behavior": str},
+    "advanced": {"restoreToOriginalReplicaCount": bool, "scalingModifiers": dict,
+                 "horizontalPodAutoscalerConfig": {"name": str, "behavior": dict}},
+    "triggers": list,
+}
+SCALEDOBJECT_TRIGGER = {"type": str, "name": str, "metadata": STR_MAP, "authenticationRef": {"name": str, "kind": str},
+                        "metricType": str, "useCachedMetrics": bool}
+PROMETHEUS_METADATA = {"serverAddress", "query", "threshold", "activationThreshold", "namespace", "customHeaders",
+                       "ignoreNullValues", "unsafeSsl", "queryParameters", "authModes"}
+SELECTOR = 'namespace="llm",service="ps-pagedserve"'
+
+
+def test_keda_is_off_by_default():
+    for names in [(), ("cpu",), ("observability",), ("kuberay-autoscale",)]:
+        docs = objects(*names)
+        assert "ScaledObject" not in {d["kind"] for d in docs}, names
+    assert one(objects("cpu"), "Deployment")["spec"]["replicas"] == 1
+
+
+def test_keda_scaledobject():
+    """A ScaledObject on the server Deployment with Prometheus triggers on the signals the servers export: the
+    in-server policy's targets as Value metrics (per-pod averages), over this release's series as the
+    ServiceMonitor's targets are labelled. The Deployment leaves its replica count to KEDA's HPA."""
+    docs = objects("keda")
+    so, dep, svc = one(docs, "ScaledObject"), one(docs, "Deployment"), one(docs, "Service")
+    assert so["apiVersion"] == "keda.sh/v1alpha1"
+    assert so["metadata"]["labels"]["app.kubernetes.io/instance"] == "ps"
+    spec = so["spec"]
+    check_fields(spec, SCALEDOBJECT_SPEC, "spec")
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": dep["metadata"]["name"]}
+    assert "replicas" not in dep["spec"]  # helm upgrade must not undo what the HPA set
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"], spec["pollingInterval"]) == (1, 8, 15)
+    triggers = {t["name"]: t for t in spec["triggers"]}
+    assert set(triggers) == {"waiting-per-replica", "kv-usage", "ttft-p90"}
+    for t in spec["triggers"]:
+        check_fields(t, SCALEDOBJECT_TRIGGER, f"triggers[{t['name']}]")
+        assert t["type"] == "prometheus" and t["metricType"] in ("AverageValue", "Value")
+        assert_str_map(t["metadata"], "metadata")
+        assert set(t["metadata"]) <= PROMETHEUS_METADATA and {"serverAddress", "query", "threshold"} <= set(
+            t["metadata"])
+        assert t["metadata"]["serverAddress"] == "http://kube-prometheus-stack-prometheus.monitoring.svc:9090"
+        assert float(t["metadata"]["threshold"]) > 0
+        assert "$SELECTOR" not in t["metadata"]["query"] and SELECTOR in t["metadata"]["query"]
+    # The in-server autoscaler's signals and targets (serve --autoscale's defaults), per pod.
+    from pagedserve.cluster.runtime.autoscaler import AutoscalePolicy
+    policy = AutoscalePolicy()
+    for name, signal, target in [("waiting-per-replica", "waiting_per_replica", policy.waiting),
+                                 ("kv-usage", "kv_usage", policy.kv_usage),
+                                 ("ttft-p90", "ttft_p90_seconds", policy.ttft_p90)]:
+        t = triggers[name]
+        assert t["metricType"] == "Value" and float(t["metadata"]["threshold"]) == target
+        assert t["metadata"]["query"] == f'avg(pagedserve_autoscaler_signal{{signal="{signal}",{SELECTOR}}})'
+    # The series are the ServiceMonitor's targets: the Service it selects, in this namespace.
+    sm = one(docs, "ServiceMonitor")
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
+    assert svc["metadata"]["name"] == "ps-pagedserve"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    # The HPA that KEDA makes: its behavior is valid autoscaling/v2 (strict), as is the HPA as a whole.
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 300
+    validate_k8s({
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "keda-hpa-ps"},
+        "spec": {"scaleTargetRef": {k: v for k, v in spec["scaleTargetRef"].items() if k != "envSourceContainerName"},
+                 "minReplicas": spec["minReplicaCount"], "maxReplicas": spec["maxReplicaCount"],
+                 "behavior": behavior,
+                 "metrics": [{"type": "External", "external": {
+                     "metric": {"name": f"s{i}-prometheus", "selector": {"matchLabels": {"scaledobject.keda.sh/name":
+                                                                                         so["metadata"]["name"]}}},
+                     "target": {"type": t["metricType"], **({"value": t["metadata"]["threshold"]}
+                                if t["metricType"] == "Value" else {"averageValue": t["metadata"]["threshold"]})}}}
+                     for i, t in enumerate(spec["triggers"])]}})
+    for d in docs:
+        if d["kind"] not in CUSTOM_KINDS:
+            validate_k8s(d)
+    notes = render(merged("keda"))["pagedserve/templates/NOTES.txt"]
+    assert "KEDA scales Deployment/ps-pagedserve between 1 and 8 pods" in notes
+
+
+def test_keda_custom_trigger():
+    """A query of one's own: `$SELECTOR` stands for the release's matchers (or prometheus.selector); the
+    authentication and extra scaler metadata apply to every trigger."""
+    so = one(objects_for(merged("cpu", **{
+        "keda.enabled": True, "keda.behavior": None,  # null drops the default behavior
+        "keda.prometheus.selector": 'job="pagedserve"', "keda.prometheus.authenticationRef": "prom-auth",
+        "keda.prometheus.extraMetadata": {"unsafeSsl": "true"},
+        "keda.triggers": [{"query": "sum(pagedserve_num_requests_running{$SELECTOR}) + "
+                                    "sum(pagedserve_num_requests_waiting{$SELECTOR})",
+                           "threshold": 48, "metricType": "AverageValue", "activationThreshold": 0}]})),
+        "ScaledObject")
+    (t,) = so["spec"]["triggers"]
+    assert "advanced" not in so["spec"]
+    assert t["name"] == "trigger-0" and t["metricType"] == "AverageValue"
+    assert t["authenticationRef"] == {"name": "prom-auth"}
+    assert t["metadata"] == {
+        "serverAddress": "http://prometheus-operated.monitoring.svc:9090", "unsafeSsl": "true", "threshold": "48",
+        "activationThreshold": "0",  # numbers become the strings KEDA's metadata holds
+        "query": 'sum(pagedserve_num_requests_running{job="pagedserve"}) + '
+                 'sum(pagedserve_num_requests_waiting{job="pagedserve"})'}
+    check_fields(t, SCALEDOBJECT_TRIGGER, "trigger")
+
+
+def test_keda_refusals_say_why():
+    with pytest.raises(helm.HelmError, match="keda.enabled is for mode singleNode"):
+        render(merged("kuberay-dp2", **{"keda.enabled": True}))
+    with pytest.raises(helm.HelmError, match="two control loops"):
+        render(merged("keda", **{"server.autoscale": "max=2"}))
+    with pytest.raises(helm.HelmError, match="may run 3 replicas, but the worker groups hold at most 2"):
+        render(merged("kuberay-dp2", **{"server.autoscale": "max=3"}))

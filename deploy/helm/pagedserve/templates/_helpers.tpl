@@ -51,6 +51,42 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
+{{/* A key of server.autoscale as `serve --autoscale` reads it (the last one given wins), else its default;
+   pass (dict "spec" <server.autoscale> "key" "max" "default" 4). */}}
+{{- define "pagedserve.autoscaleKey" -}}
+{{- $found := regexFindAll (printf "(^|,)\\s*%s\\s*=\\s*[0-9.]+" .key) .spec -1 -}}
+{{- if $found }}{{ regexFind "[0-9.]+$" (last $found) }}{{ else }}{{ .default }}{{ end -}}
+{{- end -}}
+
+{{/* The most model replicas the server runs: the in-server autoscaler's max where server.autoscale is set (at least
+   the data-parallel replicas it starts with), else dataParallelSize. */}}
+{{- define "pagedserve.maxReplicas" -}}
+{{- $dp := int .Values.engine.dataParallelSize -}}
+{{- if .Values.server.autoscale -}}
+{{- max $dp (int (include "pagedserve.autoscaleKey" (dict "spec" .Values.server.autoscale "key" "max" "default" 4))) -}}
+{{- else -}}
+{{- $dp -}}
+{{- end -}}
+{{- end -}}
+
+{{/* PromQL label matchers for this release's series (keda.prometheus.selector, or the labels the Prometheus
+   operator gives a ServiceMonitor's targets). */}}
+{{- define "pagedserve.promSelector" -}}
+{{- default (printf "namespace=%q,service=%q" .Release.Namespace (include "pagedserve.fullname" .)) .Values.keda.prometheus.selector -}}
+{{- end -}}
+
+{{/* A KubeRay worker group's pod range: (dict "min" N "max" N); fixed at replicas without autoscaling. */}}
+{{- define "pagedserve.workerRange" -}}
+{{- $g := .group -}}
+{{- if .ctx.Values.kuberay.autoscaling.enabled -}}
+{{- $min := ternary 0 $g.minReplicas (kindIs "invalid" $g.minReplicas) -}}
+{{- $max := ternary $g.replicas $g.maxReplicas (kindIs "invalid" $g.maxReplicas) -}}
+{{- toYaml (dict "min" (int $min) "max" (int $max)) -}}
+{{- else -}}
+{{- toYaml (dict "min" (int $g.replicas) "max" (int $g.replicas)) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Checks across values that values.schema.json cannot express; fails the render with the reason. */}}
 {{- define "pagedserve.validate" -}}
 {{- $v := .Values -}}
@@ -61,18 +97,58 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and (eq $v.probes.handler "http") (not $v.server.httpApi.enabled) -}}
 {{- fail "probes.handler http needs server.httpApi.enabled" -}}
 {{- end -}}
-{{- if and (eq $v.mode "kuberay") $v.gpu.enabled -}}
+{{- if $v.server.autoscale -}}
+{{- $min := int (include "pagedserve.autoscaleKey" (dict "spec" $v.server.autoscale "key" "min" "default" 1)) -}}
+{{- $max := int (include "pagedserve.autoscaleKey" (dict "spec" $v.server.autoscale "key" "max" "default" 4)) -}}
+{{- if gt $min $max -}}
+{{- fail (printf "server.autoscale: min (%d) exceeds max (%d; 4 unless given)" $min $max) -}}
+{{- end -}}
+{{- end -}}
+{{- if $v.keda.enabled -}}
+{{- if eq $v.mode "kuberay" -}}
+{{- fail "keda.enabled is for mode singleNode: in kuberay mode the GPUs are RayCluster worker pods, which KEDA cannot place replicas on; use server.autoscale with kuberay.autoscaling.enabled" -}}
+{{- end -}}
+{{- if $v.server.autoscale -}}
+{{- fail "keda.enabled and server.autoscale together would be two control loops on the same load (pods, and replicas inside each pod); choose one (in singleNode mode, keda: the pod is what holds the GPUs)" -}}
+{{- end -}}
+{{- $names := list -}}
+{{- range $i, $t := $v.keda.triggers -}}
+{{- $name := default (printf "trigger-%d" $i) $t.name -}}
+{{- if has $name $names -}}
+{{- fail (printf "keda.triggers: the name %s is used twice" $name) -}}
+{{- end -}}
+{{- $names = append $names $name -}}
+{{- end -}}
+{{- if gt (int $v.keda.minReplicaCount) (int $v.keda.maxReplicaCount) -}}
+{{- fail (printf "keda.minReplicaCount (%d) exceeds keda.maxReplicaCount (%d)" (int $v.keda.minReplicaCount) (int $v.keda.maxReplicaCount)) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $v.mode "kuberay" -}}
 {{- $tp := int $v.engine.tensorParallelSize -}}
 {{- $slots := 0 -}}
+{{- $maxSlots := 0 -}}
 {{- range $v.kuberay.workerGroups -}}
+{{- $r := include "pagedserve.workerRange" (dict "ctx" $ "group" .) | fromYaml -}}
+{{- if or (gt (int $r.min) (int .replicas)) (lt (int $r.max) (int .replicas)) -}}
+{{- fail (printf "worker group %s: replicas (%d) must lie within minReplicas..maxReplicas (%d..%d)" .name (int .replicas) (int $r.min) (int $r.max)) -}}
+{{- end -}}
+{{- if $v.gpu.enabled -}}
 {{- $gpus := int (default $tp .gpusPerPod) -}}
 {{- if lt $gpus $tp -}}
 {{- fail (printf "worker group %s has %d GPUs per pod, fewer than tensorParallelSize %d: a TP group never spans pods" .name $gpus $tp) -}}
 {{- end -}}
 {{- $slots = add $slots (mul (int .replicas) (div $gpus $tp)) -}}
+{{- $maxSlots = add $maxSlots (mul (int $r.max) (div $gpus $tp)) -}}
 {{- end -}}
+{{- end -}}
+{{- if $v.gpu.enabled -}}
 {{- if lt (int $slots) (int $v.engine.dataParallelSize) -}}
 {{- fail (printf "the worker groups hold %d TP groups of %d GPUs, fewer than dataParallelSize %d" (int $slots) $tp (int $v.engine.dataParallelSize)) -}}
+{{- end -}}
+{{- $want := int (include "pagedserve.maxReplicas" .) -}}
+{{- if lt (int $maxSlots) $want -}}
+{{- fail (printf "server.autoscale may run %d replicas, but the worker groups hold at most %d TP groups of %d GPUs%s" $want (int $maxSlots) $tp (ternary " (at their maxReplicas)" "; raise their replicas, or enable kuberay.autoscaling with maxReplicas" $v.kuberay.autoscaling.enabled)) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

@@ -36,6 +36,9 @@
 - --max-waiting-requests={{ . }}
 {{- end }}
 - --drain-timeout={{ $e.drainTimeout }}
+{{- with $v.server.autoscale }}
+- --autoscale={{ . | nospace }}
+{{- end }}
 {{- if $v.tls.enabled }}
 - --ssl-certfile=/etc/pagedserve/tls/tls.crt
 - --ssl-keyfile=/etc/pagedserve/tls/tls.key
