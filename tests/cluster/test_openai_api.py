@@ -453,13 +453,14 @@ def test_oversized_chat_fields_are_400_at_once_while_streams_flow(server, client
 
 
 def test_tools_are_refused_not_ignored(client):
-    """Until tool calling lands, a request that expects tool calls gets a 400 that says so, never a silent answer
-    without them; tool_choice none chats as usual."""
+    """tool_choice "auto" (the default with tools) on a server without --enable-auto-tool-choice gets a 400 that
+    says so, never a silent answer without calls; tool_choice none chats as usual (tests/cluster/test_tool_calling.py
+    has the rest)."""
     tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
     messages = [{"role": "user", "content": "time?"}]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_completion_tokens=2)
-    assert err.value.body["param"] == "tools" and "tool calling" in err.value.message
+    assert err.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in err.value.message
     ok = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="none",
                                         max_completion_tokens=2)
     assert ok.choices[0].message.content is not None and not ok.choices[0].message.tool_calls

@@ -24,6 +24,26 @@ class TextContentPart(RequestModel):
 MAX_ROLE_CHARS = 64
 MAX_NAME_CHARS = 256
 MAX_TEMPLATE_KWARGS_CHARS = 64 * 1024  # chat_template_kwargs as JSON
+# Tool calling
+MAX_TOOLS = 128
+MAX_TOOLS_CHARS = 1024 * 1024  # all the tools as JSON
+MAX_PARAMETERS_CHARS = 64 * 1024  # one function's parameters schema as JSON
+MAX_TOOL_CALLS = 128  # in one assistant message
+MAX_ARGUMENTS_CHARS = 64 * 1024  # one call's arguments
+MAX_TOOL_CALL_ID_CHARS = 256
+
+
+class FunctionCall(RequestModel):
+    name: str = Field(..., min_length=1, max_length=MAX_NAME_CHARS)
+    arguments: str = Field(..., max_length=MAX_ARGUMENTS_CHARS, description="The arguments as JSON text.")
+
+
+class MessageToolCall(RequestModel):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str = Field(..., max_length=MAX_TOOL_CALL_ID_CHARS)
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(RequestModel):
@@ -31,6 +51,10 @@ class ChatMessage(RequestModel):
                       description="system, developer, user, assistant or tool: as the chat template knows them.")
     content: str | list[TextContentPart] | None = None
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS,
+                                                     description="An assistant message's calls.")
+    tool_call_id: str | None = Field(None, max_length=MAX_TOOL_CALL_ID_CHARS,
+                                     description="A tool message: the call it answers.")
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines), as chat templates expect."""
@@ -39,6 +63,27 @@ class ChatMessage(RequestModel):
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(..., min_length=1, max_length=MAX_NAME_CHARS)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments (an object).")
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str = Field(..., max_length=MAX_NAME_CHARS)
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -52,17 +97,15 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = Field(False, description="End the prompt inside the final (assistant) message, "
                                                             "which the model then continues.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
-    # Declared (and left out of the schema) so that they are refused rather than ignored: a client that sends tools
-    # expects tool calls back. Only with tool_choice "none" until tool calling lands.
-    tools: SkipJsonSchema[list[dict[str, Any]] | None] = None
-    tool_choice: SkipJsonSchema[str | dict[str, Any] | None] = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='Default: "auto" with tools ("auto" needs the server\'s --enable-auto-tool-choice), '
+                          'else "none". "required" and a named function constrain the output to calls.')
+    parallel_tool_calls: bool = Field(True, description="Let the model make several calls at once.")
+    # OpenAI's deprecated spelling: refused (unless function_call is "none") rather than ignored, since a client that
+    # sends functions expects calls back.
     functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
     function_call: SkipJsonSchema[str | dict[str, Any] | None] = None
-
-    @property
-    def wants_tool_calls(self) -> bool:
-        tools = bool(self.tools) and self.tool_choice != "none"
-        return tools or (bool(self.functions) and self.function_call != "none")
 
 
 class ChatLogprob(BaseModel):
@@ -79,16 +122,28 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatLogprobContent] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(..., description="JSON text.")
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = Field(None, description="stop, length or abort.")
+    finish_reason: str | None = Field(None, description="stop, length, tool_calls or abort.")
     stop_reason: int | str | None = None
     token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
 
@@ -105,9 +160,24 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(None, exclude_if=lambda v: v is None)
+    arguments: str | None = Field(None, exclude_if=lambda v: v is None)
+
+
+class DeltaToolCall(BaseModel):
+    """A call's first delta has its id, type and name (arguments ""); the next ones only argument text."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(None, exclude_if=lambda v: v is None)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
-    content: str | None = None
+    content: str | None = Field(None, exclude_if=lambda v: v is None)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChunkChoice(BaseModel):

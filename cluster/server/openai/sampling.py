@@ -51,9 +51,12 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
 
 
 def build_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                 prompt_logprobs: int | None = None, best_of: int | None = None) -> SamplingParams | BeamSearchParams:
+                 prompt_logprobs: int | None = None, best_of: int | None = None,
+                 tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams | BeamSearchParams:
+    """``tool_constraint``: chat's tool_choice "required" or a named function, which the request's own constraint
+    fields cannot accompany (the caller refuses them)."""
     check_common(req)
-    constraint = structured_outputs(req)
+    constraint = tool_constraint or structured_outputs(req)
     if req.use_beam_search:
         if constraint is not None:
             raise OpenAIError(400, "structured outputs are not available with use_beam_search", "use_beam_search")

@@ -19,8 +19,10 @@ from pagedserve.cluster.server.openai.chat_protocol import (
     ChatCompletionResponse,
     ChatResponseMessage,
     DeltaMessage,
+    ResponseFunctionCall,
+    ResponseToolCall,
 )
-from pagedserve.cluster.server.openai.chat_template import ChatTemplate
+from pagedserve.cluster.server.openai.chat_template import ChatTemplate, message_chars, template_message
 from pagedserve.cluster.server.openai.errors import OpenAIError
 from pagedserve.cluster.server.openai.generation import (
     ADMISSION_WAIT_S,
@@ -33,8 +35,19 @@ from pagedserve.cluster.server.openai.logprobs import chat_logprobs, prompt_logp
 from pagedserve.cluster.server.openai.protocol import usage
 from pagedserve.cluster.server.openai.sampling import build_params
 from pagedserve.cluster.server.openai.sse import EventStreamResponse, sse_events
+from pagedserve.cluster.server.openai.tool_calling import (
+    ToolPlan,
+    check_auto_options,
+    plan_tools,
+    tool_deltas,
+    tools_chars,
+)
+from pagedserve.cluster.server.openai.tool_parsers import ToolParser
+from pagedserve.cluster.server.openai.tool_parsers.types import ToolCallDelta
 from pagedserve.cluster.server.state import ServingState
-from pagedserve.outputs import BeamSearchOutput, Logprob
+from pagedserve.errors import InvalidRequestError
+from pagedserve.outputs import BeamSearchOutput, CompletionOutput, Logprob
+from pagedserve.sampling_params import SamplingParams
 
 FIELDS = set(ChatCompletionRequest.model_fields)
 INLINE_RENDER_CHARS = 16_384  # longer conversations are rendered and tokenized off the event loop
@@ -42,50 +55,56 @@ INLINE_RENDER_CHARS = 16_384  # longer conversations are rendered and tokenized 
 
 class ChatServing:
     def __init__(self, state: ServingState, template: ChatTemplate) -> None:
+        check_auto_options(state.options)
         self.state = state
         self.template = template
 
-    def _prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+    def _prompt(self, req: ChatCompletionRequest, plan: ToolPlan) -> tuple[str, list[int]]:
+        messages = [template_message(m) for m in req.messages]
         text = self.template.render(messages, req.add_generation_prompt, req.continue_final_message,
-                                    req.chat_template_kwargs)
+                                    req.chat_template_kwargs, plan.tools)
         # The template writes any BOS itself, so nothing is added here (as vLLM tokenizes chat prompts).
         return text, self.state.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     async def create(self, req: ChatCompletionRequest, session_id: str | None = None) -> Response:
         engine = self.state.ready_engine()
         model = served_model(self.state, req.model)
-        if req.wants_tool_calls:
-            raise OpenAIError(400, "tool calling is not supported by this server yet; send tool_choice \"none\" (or "
-                                   "no tools) to chat without it", "tools" if req.tools else "functions")
         kwargs = len(json.dumps(req.chat_template_kwargs)) if req.chat_template_kwargs else 0
         if kwargs > MAX_TEMPLATE_KWARGS_CHARS:
             raise OpenAIError(400, f"chat_template_kwargs exceed {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON",
                               "chat_template_kwargs")
-        size = sum(len(m.text()) for m in req.messages) + kwargs
+        size = sum(message_chars(m) for m in req.messages) + kwargs + (tools_chars(req.tools) if req.tools else 0)
+        plan = plan_tools(req, self.state.options)
         limit = engine.info.limits.max_prompt_bytes
         if size > limit // 4 and sum(len(m.text().encode("utf-8", "surrogatepass")) for m in req.messages) > limit:
             raise OpenAIError(400, f"the messages exceed {limit} bytes (max_prompt_bytes)", "messages")
         if size > INLINE_RENDER_CHARS:
-            text, ids = await asyncio.to_thread(self._prompt, req)
+            text, ids = await asyncio.to_thread(self._prompt, req, plan)
         else:
-            text, ids = self._prompt(req)
+            text, ids = self._prompt(req, plan)
         if not req.logprobs and req.top_logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None and req.use_beam_search:
             max_tokens = max(1, engine.info.max_model_len - len(ids))
-        params = build_params(req, max_tokens, k, req.prompt_logprobs)
+        params = build_params(req, max_tokens, k, req.prompt_logprobs, tool_constraint=plan.constraint)
+        if isinstance(params, SamplingParams) and plan.skip_special_tokens is not None:
+            params.skip_special_tokens = plan.skip_special_tokens
         rid = new_request_id(req.request_id)
         run = GenerationRun(self.state)
         run.session_id = session_id or req.user
         handed_off = False
         try:
             run.admit(1, params)
-            await run.add(engine, rid, {"prompt": text, "prompt_token_ids": ids}, params, req.cache_salt)
-            chat = _Chat(self.state.tokenizer, req, model, rid, run, k)
+            try:
+                await run.add(engine, rid, {"prompt": text, "prompt_token_ids": ids}, params, req.cache_salt)
+            except InvalidRequestError as e:
+                if plan.constraint is None or not str(e).startswith("structured_outputs"):
+                    raise
+                raise OpenAIError(400, f"tools: the output cannot be constrained to tool_choice's calls: {e}",
+                                  "tools") from None
+            chat = _Chat(self.state.tokenizer, req, model, rid, run, k, plan)
             outputs = run.outputs(engine, stream=req.stream and not req.use_beam_search)
             if not req.stream:
                 async for _, out in outputs:
@@ -104,7 +123,7 @@ class ChatServing:
 
 class _Chat:
     def __init__(self, tokenizer, req: ChatCompletionRequest, model: str, rid: str, run: GenerationRun,
-                 k: int | None) -> None:
+                 k: int | None, plan: ToolPlan) -> None:
         self.tokenizer = tokenizer
         self.req = req
         self.model = model
@@ -122,6 +141,9 @@ class _Chat:
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
         self.beams: BeamSearchOutput | None = None
+        self.plan = plan
+        self.parsers: dict[int, ToolParser] = {}  # streaming: each choice's
+        self.called: set[int] = set()  # streaming: the choices that made calls
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -181,12 +203,29 @@ class _Chat:
             choices = []
             for j in sorted(self.texts):
                 reason, stop = self.finish.get(j, (None, None))
+                message, reason = self._message("".join(self.texts[j]), reason)
                 choices.append(ChatCompletionChoice(
-                    index=j, message=ChatResponseMessage(content="".join(self.texts[j])),
+                    index=j, message=message,
                     logprobs=self._logprobs(self.token_ids[j], self.logprobs.get(j)), finish_reason=reason,
                     stop_reason=stop, token_ids=self.token_ids[j] if ids else None))
         return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=self._usage(),
                                       **self._extras())
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's "tool_calls" for an output that ended with calls ("stop" for a named function's)."""
+        replace = getattr(self.plan.new_parser, "finish_reason", None)
+        return replace if called and reason == "stop" and replace else reason
+
+    def _message(self, text: str, reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+        if self.plan.new_parser is None:
+            return ChatResponseMessage(content=text), reason
+        parsed = self.plan.new_parser(stream=False).parse(text)
+        calls = parsed.calls if self.plan.parallel else parsed.calls[:1]
+        if not calls:
+            return ChatResponseMessage(content=text), reason
+        tool_calls = [ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
+                      for c in calls]
+        return ChatResponseMessage(content=parsed.content, tool_calls=tool_calls), self._finish_reason(reason, True)
 
     def _chunk(self, choices: list[ChatCompletionChunkChoice], **kw) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **kw)
@@ -210,12 +249,40 @@ class _Chat:
                                                            finish_reason=reason, token_ids=toks if ids else None)],
                                 **(self._extras() if j == 0 else {}))
                     for j, text, toks, reason in self._beam_choices()]
-        chunks = [self._chunk([ChatCompletionChunkChoice(
-            index=c.index, delta=DeltaMessage(content=c.text), logprobs=self._logprobs(c.token_ids, c.logprobs),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=c.token_ids if ids else None)])
-            for c in moved]
+        if self.plan.new_parser is not None:
+            chunks = [chunk for c in moved for chunk in self._tool_chunks(c)]
+        else:
+            chunks = [self._chunk([ChatCompletionChunkChoice(
+                index=c.index, delta=DeltaMessage(content=c.text), logprobs=self._logprobs(c.token_ids, c.logprobs),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=c.token_ids if ids else None)])
+                for c in moved]
         if chunks and not self.extras_sent:  # the prompt is prefilled by the first generated token
             self.extras_sent = True
             for name, value in self._extras().items():
                 setattr(chunks[0], name, value)
         return chunks
+
+    def _tool_chunks(self, c: CompletionOutput) -> list[ChatCompletionChunk]:
+        """A choice's new text through its parser: content and tool-call deltas in output order, one chunk each;
+        the first carries the output's logprobs and token ids, the last its finish reason."""
+        parser = self.parsers.get(c.index)
+        if parser is None:
+            parser = self.parsers[c.index] = self.plan.new_parser(stream=True)
+        events = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
+        if not self.plan.parallel:
+            events = [e for e in events if not isinstance(e, ToolCallDelta) or e.index == 0]
+        if any(isinstance(e, ToolCallDelta) for e in events):
+            self.called.add(c.index)
+        deltas = tool_deltas(events)
+        carries = self.k is not None or self.req.return_token_ids
+        if not deltas and (c.finish_reason is not None or (carries and c.token_ids)):
+            deltas = [DeltaMessage(content="")]
+        chunks = [self._chunk([ChatCompletionChunkChoice(index=c.index, delta=d)]) for d in deltas]
+        if chunks:
+            first, last = chunks[0].choices[0], chunks[-1].choices[0]
+            first.logprobs = self._logprobs(c.token_ids, c.logprobs)
+            first.token_ids = c.token_ids if self.req.return_token_ids else None
+            last.finish_reason = self._finish_reason(c.finish_reason, c.index in self.called)
+            last.stop_reason = c.stop_reason
+        return chunks
+
