@@ -46,6 +46,7 @@ class Gateway:
             await self.http.start()
 
     async def set_ready(self, engine: EngineClient, model: ModelInfo) -> None:
+        await self.metrics.engines.start(engine)  # the engines' series for /metrics, refreshed from now on
         await self.state.set_ready(engine, model)
 
     async def drain(self, timeout: float) -> None:
@@ -57,4 +58,5 @@ class Gateway:
             logger.warning("drain timeout: %d request(s) still running are cancelled", self.state.in_flight)
         stops = [self.grpc.stop(grace=1.0)] + ([self.http.stop(grace=1.0)] if self.http is not None else [])
         await asyncio.gather(*stops)
+        await self.metrics.engines.stop()
         self.metrics.stop_http_server()

@@ -1,6 +1,6 @@
 """The gateway's Prometheus endpoint (``--metrics-port``): request-level metrics measured here, plus the engines'
-metrics (every replica's, pulled at scrape time through the engine client), all in one scrape and all labelled
-``model_name``."""
+metrics (every replica's, from a snapshot the gateway's loop refreshes: see ``engine_metrics``), all in one scrape
+and all labelled ``model_name``."""
 from __future__ import annotations
 
 import threading
@@ -9,30 +9,10 @@ from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import Metric
 
 from pagedserve.cluster.buckets import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS
+from pagedserve.cluster.server.engine_metrics import EngineCollector
 from pagedserve.cluster.server.vllm_metrics import COMPAT_MODES, VllmCompatCollector
-from pagedserve.engine.protocol import EngineClient
-
-
-class EngineCollector:
-    """The engine client's metric families, each sample labelled with the served model's name. ``enabled``
-    False: none (where several gateways share the replicas, one exports their series, so none is counted twice)."""
-
-    def __init__(self, model_name: str, enabled: bool = True) -> None:
-        self.model_name = model_name
-        self.enabled = enabled
-        self.engine: EngineClient | None = None  # once the replicas are up
-
-    def collect(self):
-        if self.engine is None or not self.enabled:
-            return
-        for fam in self.engine.collect_metrics():
-            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-            for smp in fam.samples:
-                out.add_sample(smp.name, {"model_name": self.model_name, **smp.labels}, smp.value, smp.timestamp)
-            yield out
 
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):

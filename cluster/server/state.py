@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from pagedserve.cluster.server.api_options import ApiOptions
 from pagedserve.cluster.server.metrics import GatewayMetrics
+from pagedserve.cluster.server.request_owners import RequestOwners
 from pagedserve.engine.core_types import EngineInfo
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
@@ -27,6 +28,11 @@ class ModelInfo:
 # Tokenize and detokenize work before the model is up; until then these bound them (its own limits come with it).
 LOADING_MAX_PROMPT_BYTES = 1 << 20
 LOADING_MAX_TOKEN_IDS = 1 << 16
+# An HTTP body holds a prompt of up to max_prompt_bytes, JSON-escaped (at worst 6 bytes a byte: "\u0001"), and the
+# other fields (tools, up to 1 MiB; a JSON schema; logit_bias; ...) within the headroom. A batch of prompts must fit
+# the same bound.
+BODY_BYTES_PER_PROMPT_BYTE = 6
+BODY_HEADROOM_BYTES = 2 << 20
 
 
 class ServingState:
@@ -45,6 +51,7 @@ class ServingState:
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.owners = RequestOwners()
         # Called with the new serving status whenever it changes (the gRPC health service listens).
         self.listeners: list[Callable[[bool], Awaitable[None]]] = []
         self._logged_serving = False
@@ -78,7 +85,6 @@ class ServingState:
 
     async def set_ready(self, engine: EngineClient, model: ModelInfo) -> None:
         self.engine, self.model = engine, model
-        self.metrics.engines.engine = engine
         engine.add_health_listener(self._notify)
         await self._notify()
 
@@ -97,6 +103,11 @@ class ServingState:
     @property
     def max_prompt_bytes(self) -> int:
         return self.model.info.limits.max_prompt_bytes if self.model is not None else LOADING_MAX_PROMPT_BYTES
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest HTTP request body (413 beyond it): derived from max_prompt_bytes (--max-prompt-bytes)."""
+        return BODY_BYTES_PER_PROMPT_BYTE * self.max_prompt_bytes + BODY_HEADROOM_BYTES
 
     @property
     def max_token_ids(self) -> int:

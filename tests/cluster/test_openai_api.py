@@ -417,8 +417,8 @@ def test_a_batch_counts_each_sequence_against_the_concurrency_limit(ray_cluster,
 
 
 def test_oversized_chat_fields_are_400_at_once_while_streams_flow(server, client):
-    """A 50 MB role (or name, or chat_template_kwargs) is refused in about the time it takes to read, and a stream
-    running meanwhile never stalls."""
+    """A 1 MB role (or name, or chat_template_kwargs) is refused in about the time it takes to read, and a stream
+    running meanwhile never stalls (a larger body is refused before it is read: test_gateway_limits)."""
     gaps, done = [], threading.Event()
     body = dict(model=MODEL, prompt="class", max_tokens=200, temperature=0.0, stream=True, ignore_eos=True)
 
@@ -438,7 +438,7 @@ def test_oversized_chat_fields_are_400_at_once_while_streams_flow(server, client
     while not gaps:
         assert time.monotonic() < deadline and t.is_alive(), "the stream did not start"
         time.sleep(0.01)
-    for msg, extra, param in [({"role": "u" * 50_000_000, "content": "x"}, {}, "messages.0.role"),
+    for msg, extra, param in [({"role": "u" * 1_000_000, "content": "x"}, {}, "messages.0.role"),
                               ({"role": "user", "content": "x", "name": "n" * 10_000}, {}, "messages.0.name"),
                               ({"role": "user", "content": "x"}, {"chat_template_kwargs": {"k": "v" * 70_000}},
                                "chat_template_kwargs")]:

@@ -158,6 +158,7 @@ def exported_names(llama_dir) -> set[str]:
         router = ReplicaRouter([Replica(0, None, None)], None, [engine.core.get_info()])
         router.replicas[0].alive = False  # a dead replica: no Ray call, workers gauges only
         gm.engines.engine = router
+        gm.engines.refresh()  # the snapshot a scrape reads
         fams = list(gm.registry.collect())
         fams += EngineCoreMetrics(engine.core).collect()
     finally:

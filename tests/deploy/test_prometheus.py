@@ -80,7 +80,7 @@ def _send_load(srv: ServerThread, prom: promql.LocalPrometheus) -> dict:
                                           ignore_eos=True)):
             accumulate(aborted, resp)
             if n == 1:
-                assert c.abort("to-abort")
+                assert c.abort(resp.request_id)
         assert aborted.completions[0].finish_reason == "abort" and aborted.prompt_tokens > 0
 
         # A stream the client cancels after its first tokens: admitted (prompt counted), tokens the gateway

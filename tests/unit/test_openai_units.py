@@ -141,7 +141,7 @@ def test_app_before_the_engine_is_up(demo_tokenizer, monkeypatch):
     from pagedserve.cluster.server.openai import app as app_module
     from pagedserve.cluster.server.state import ServingState
 
-    monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 1000)
+    monkeypatch.setattr(ServingState, "max_body_bytes", property(lambda self: 1000))
     state = ServingState(demo_tokenizer, GatewayMetrics("m"), 10)
     c = TestClient(app_module.build_app(state, api_key="k"), headers={"Authorization": "Bearer k"})
     json_type = {"content-type": "application/json"}

@@ -3,6 +3,8 @@ runs, and a ``DecodeError`` there comes back UNKNOWN ("Unexpected DecodeError");
 raw bytes and parse them themselves."""
 from __future__ import annotations
 
+import inspect
+
 import grpc
 
 
@@ -35,7 +37,11 @@ class ParseErrorInterceptor(grpc.aio.ServerInterceptor):
         inner_stream = handler.unary_stream
 
         async def stream(raw, context):
-            async for response in inner_stream(await parsed(raw, context), context):
-                yield response
+            responses = inner_stream(await parsed(raw, context), context)
+            if inspect.isasyncgen(responses):
+                async for response in responses:
+                    yield response
+            else:  # a coroutine that writes its responses (context.write), as health's Watch
+                await responses
 
         return grpc.unary_stream_rpc_method_handler(stream, **kw)

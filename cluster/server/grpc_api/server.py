@@ -7,7 +7,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from pagedserve.cluster.server.grpc_api.auth import ApiKeyInterceptor
+from pagedserve.cluster.server.grpc_api.auth import ApiKeyInterceptor, ApiKeys
+from pagedserve.cluster.server.grpc_api.errors import InternalErrorInterceptor
 from pagedserve.cluster.server.grpc_api.parsing import ParseErrorInterceptor
 from pagedserve.cluster.server.grpc_api.servicer import GenerationServicer
 from pagedserve.cluster.server.state import ServingState
@@ -24,6 +25,10 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+
+# RPCs beyond --max-concurrent-requests that the server still runs (health checks, model info, tokenize, abort, or
+# generation requests that it refuses itself); past them all, gRPC answers RESOURCE_EXHAUSTED before any handler.
+HEADROOM_RPCS = 64
 
 
 def server_options(max_concurrent_requests: int) -> list[tuple[str, int]]:
@@ -43,11 +48,13 @@ class GrpcServer:
                  ssl_certfile: str | None = None, ssl_keyfile: str | None = None, reuse_port: bool = False) -> None:
         """``reuse_port``: SO_REUSEPORT, so that several gateway processes share the port (the kernel spreads new
         connections over them)."""
-        interceptors = [ApiKeyInterceptor(api_key, state.metrics)] if api_key else []
-        interceptors.append(ParseErrorInterceptor())
+        keys = ApiKeys(api_key)
+        interceptors = [ApiKeyInterceptor(keys, state.metrics)] if keys else []
+        interceptors += [ParseErrorInterceptor(), InternalErrorInterceptor()]
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(state.max_concurrent_requests)
-                                     + ([("grpc.so_reuseport", 1)] if reuse_port else []))
-        self.servicer = GenerationServicer(state)
+                                      + ([("grpc.so_reuseport", 1)] if reuse_port else []),
+                                      maximum_concurrent_rpcs=state.max_concurrent_requests + HEADROOM_RPCS)
+        self.servicer = GenerationServicer(state, keys)
         pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -3,14 +3,15 @@ and streams the responses back, mapping each error type to its status code."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from contextlib import aclosing
 
 import grpc
 
+from pagedserve.cluster.server.grpc_api.auth import ApiKeys
 from pagedserve.cluster.server.grpc_api.protocol import ResponseBuilder, params_from_proto
 from pagedserve.cluster.server.internal_errors import report
 from pagedserve.cluster.server.metrics import RequestTimer
+from pagedserve.cluster.server.request_ids import server_request_id
 from pagedserve.cluster.server.state import ServingState
 from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from pagedserve.proto.fields import FINISH_NAMES
@@ -30,8 +31,10 @@ def _session_id(context: grpc.aio.ServicerContext) -> str | None:
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, state: ServingState) -> None:
+    def __init__(self, state: ServingState, keys: ApiKeys = ApiKeys(None)) -> None:
+        """``keys``: with several, an Abort reaches only the requests made with the key it presents."""
         self.state = state
+        self.keys = keys
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         timer = self.state.metrics.request("grpc")
@@ -41,7 +44,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             # aclosing: a cancelled call closes the engine stream at once, which aborts the request and frees its
             # blocks, rather than whenever the abandoned generators are collected.
             with self.state.request_slot():
-                async with aclosing(self._generate(request, timer, _session_id(context))) as responses:
+                owner = self.keys.caller(context.invocation_metadata())
+                async with aclosing(self._generate(request, timer, _session_id(context), owner)) as responses:
                     async for resp in responses:
                         admitted = True
                         finished = resp.finished
@@ -64,10 +68,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if admitted and not finished:  # cancelled or deadline (abort), or failed (error)
                 timer.finished("error" if code is not None else "abort")
 
-    async def _generate(self, request: pb.GenerateRequest, timer: RequestTimer, session_id: str | None):
+    async def _generate(self, request: pb.GenerateRequest, timer: RequestTimer, session_id: str | None,
+                        owner: int | None):
         engine = self.state.ready_engine()
         parsed = params_from_proto(request)
-        rid = request.request_id or uuid.uuid4().hex
+        rid = server_request_id(request.request_id)
         prompt = parsed.prompt if parsed.prompt_token_ids is None else parsed.prompt_token_ids
         text, core_request = await engine.process(rid, prompt, parsed.params, request.cache_salt or None)
         num_prompt_tokens = len(core_request.prompt_token_ids)
@@ -76,17 +81,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         builder = ResponseBuilder(rid, num_prompt_tokens, lp, plp,
                                   cached_prompt_tokens=self.state.options.prompt_tokens_details)
         admitted = False
-        async with aclosing(engine.generate(text, core_request, parsed.stream, session_id)) as outputs:
-            async for out in outputs:
-                if not admitted:
-                    admitted = True
-                    timer.admitted(num_prompt_tokens, core_request.sampling_params.max_tokens
-                                   or engine.info.max_model_len - num_prompt_tokens)
-                resp = builder.build(out)
-                timer.tokens(sum(len(c.token_ids) for c in resp.completions))
-                if out.finished:
-                    timer.finished(_finish_reason(resp))
-                yield resp
+        self.state.owners.add(rid, owner)
+        try:
+            async with aclosing(engine.generate(text, core_request, parsed.stream, session_id)) as outputs:
+                async for out in outputs:
+                    if not admitted:
+                        admitted = True
+                        timer.admitted(num_prompt_tokens, core_request.sampling_params.max_tokens
+                                       or engine.info.max_model_len - num_prompt_tokens)
+                    resp = builder.build(out)
+                    timer.tokens(sum(len(c.token_ids) for c in resp.completions))
+                    if out.finished:
+                        timer.finished(_finish_reason(resp))
+                    yield resp
+        finally:
+            self.state.owners.discard(rid)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         tokenizer, text, limit = self.state.tokenizer, request.text, self.state.max_prompt_bytes
@@ -135,8 +144,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             eos_token_ids=list(info.eos_token_ids), dtype=info.dtype)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        engine = self.state.engine
-        found = engine is not None and await engine.abort(request.request_id)
+        """``request_id``: the server's id (the responses'). With API keys, a request made with another key is not
+        found, exactly as an unknown id."""
+        engine, rid = self.state.engine, request.request_id
+        if self.keys and not self.state.owners.owned_by(rid, self.keys.caller(context.invocation_metadata())):
+            return pb.AbortResponse(found=False)
+        found = engine is not None and await engine.abort(rid)
         return pb.AbortResponse(found=found)
 
 

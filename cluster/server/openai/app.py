@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable
 
-import pydantic_core
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
-from starlette.types import Message
 
 from pagedserve import __version__
 from pagedserve.cluster.server.api_options import ApiOptions, api_keys
@@ -24,7 +19,12 @@ from pagedserve.cluster.server.openai.chat_protocol import ChatCompletionRequest
 from pagedserve.cluster.server.openai.chat_template import ChatTemplate
 from pagedserve.cluster.server.openai.completion_protocol import CompletionRequest, CompletionResponse
 from pagedserve.cluster.server.openai.errors import OpenAIError, from_exception
-from pagedserve.cluster.server.openai.generation import ClientDisconnected, served_model, until_disconnect
+from pagedserve.cluster.server.openai.generation import (
+    REQUEST_OWNER,
+    ClientDisconnected,
+    served_model,
+    until_disconnect,
+)
 from pagedserve.cluster.server.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -36,6 +36,7 @@ from pagedserve.cluster.server.openai.protocol import (
     VersionResponse,
     error_statuses,
 )
+from pagedserve.cluster.server.openai.request_body import capped_route
 from pagedserve.cluster.server.openai.serving_chat import FIELDS as CHAT_FIELDS
 from pagedserve.cluster.server.openai.serving_chat import ChatServing
 from pagedserve.cluster.server.openai.serving_completions import FIELDS as COMPLETION_FIELDS
@@ -49,48 +50,8 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 INLINE_TOKENIZE_CHARS = 16_384
 INLINE_DETOKENIZE_IDS = 4096
 CLIENT_CLOSED = 499  # nginx's "client closed request": never seen by the client, which is gone
-MAX_BODY_BYTES = 64 * 1024 * 1024  # as gRPC's message limit
 _EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "`data: {chunk}` events, then "
                                                                                    "`data: [DONE]`"}}}
-
-
-class _JSONRequest(Request):
-    async def json(self) -> Any:
-        # pydantic-core's parser, not the stdlib's: it refuses lone surrogates ("\ud800"), which no tokenizer can
-        # encode, and NaN / Infinity, which JSON does not have.
-        if not hasattr(self, "_json"):
-            body = await self.body()
-            try:
-                self._json = pydantic_core.from_json(body, allow_inf_nan=False)
-            except ValueError as e:
-                raise json.JSONDecodeError(str(e), body.decode("utf-8", "replace"), 0) from None
-        return self._json
-
-
-class _Route(APIRoute):
-    """Requests as _JSONRequest, their bodies capped at MAX_BODY_BYTES (413)."""
-
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-        too_large = f"the body exceeds {MAX_BODY_BYTES} bytes"
-
-        async def route(request: Request) -> Response:
-            length = request.headers.get("content-length", "")
-            if length.isdigit() and int(length) > MAX_BODY_BYTES:
-                raise OpenAIError(413, too_large)
-            received = 0
-
-            async def receive() -> Message:  # a body without a length is counted as it comes
-                nonlocal received
-                message = await request.receive()
-                received += len(message.get("body", b""))
-                if received > MAX_BODY_BYTES:
-                    raise HTTPException(413, too_large)
-                return message
-
-            return await handler(_JSONRequest(request.scope, receive))
-
-        return route
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -116,6 +77,7 @@ def _ready(state: ServingState) -> EngineClient:
 
 
 async def _generation(request: Request, aw: Awaitable[Response], fields: set[str]) -> Response:
+    REQUEST_OWNER.set(getattr(request.state, "api_key_index", None))  # before until_disconnect's task copies it
     try:
         return await until_disconnect(request.receive, aw)
     except ClientDisconnected:
@@ -129,7 +91,7 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
     docs = {} if not options.disable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="pagedserve", version=__version__,
                   description="OpenAI-compatible API of a pagedserve gateway (the gRPC API's twin).", **docs)
-    app.router.route_class = _Route
+    app.router.route_class = capped_route(lambda: state.max_body_bytes)
     completions = CompletionServing(state)
     chat = ChatServing(state, ChatTemplate(state.tokenizer, chat_template))
     unknown = UnknownFields(options.strict_request_fields)
@@ -139,11 +101,14 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
         bearer = HTTPBearer(auto_error=False, description="--api-key")
         expected = [k.encode() for k in api_keys(api_key)]
 
-        async def require_api_key(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        async def require_api_key(request: Request,
+                                  creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
             given = creds.credentials.encode() if creds is not None else None
-            if given is None or not any([hmac.compare_digest(given, key) for key in expected]):  # each compared
+            matches = [given is not None and hmac.compare_digest(given, key) for key in expected]  # each compared
+            if True not in matches:
                 raise OpenAIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")
+            request.state.api_key_index = matches.index(True)  # whose requests it may abort
 
         deps = [Depends(require_api_key)]
 
@@ -202,7 +167,8 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "Prometheus text format: the same registry as --metrics-port."}})
     async def metrics() -> Response:
-        # The engines' metrics come over Ray at scrape time: off the event loop.
+        # The engines' series come from a snapshot (never a call to them); the text is still built off the event
+        # loop, which streams tokens meanwhile.
         body = await asyncio.to_thread(generate_latest, state.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -245,6 +211,7 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
                                                                     skip_special_tokens=body.skip_special_tokens))
 
         return await asyncio.to_thread(run) if len(body.tokens) > INLINE_DETOKENIZE_IDS else run()
+
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:

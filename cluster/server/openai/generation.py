@@ -1,17 +1,19 @@
 """What both generation routes share: one HTTP request's admission slot, its request timer, its engine requests
-(one per prompt) merged into one stream of outputs, and the client's disconnect, which aborts them all."""
+(one per prompt, each owned by the request's API key) merged into one stream of outputs, and the client's
+disconnect, which aborts them all."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import ExitStack, aclosing
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TypeVar
 
 from starlette.types import Receive
 
 from pagedserve.cluster.server.openai.errors import OpenAIError, model_not_found
+from pagedserve.cluster.server.request_ids import server_request_id
 from pagedserve.cluster.server.state import ServingState
 from pagedserve.engine.core_types import EngineCoreRequest
 from pagedserve.engine.input_processor import PromptType
@@ -24,6 +26,9 @@ Output = RequestOutput | BeamSearchOutput
 # How long a stream's status line waits for the engine to take the request: a full waiting queue gets its 429 well
 # within this (one Ray call); a request queued behind others then streams on, headers first.
 ADMISSION_WAIT_S = 0.5
+# The index of the API key the HTTP request presented (None without keys): set by the route before the generation
+# task starts (the task copies it), read by GenerationRun, so the serving modules need not pass it along.
+REQUEST_OWNER: ContextVar[int | None] = ContextVar("pagedserve_request_owner", default=None)
 
 
 class ClientDisconnected(Exception):
@@ -65,7 +70,9 @@ def served_model(state: ServingState, name: str | None) -> str:
 
 
 def new_request_id(given: str | None) -> str:
-    return given or uuid.uuid4().hex
+    """The body's ``request_id`` with the server's random suffix (see ``request_ids``); raises InvalidRequestError
+    (400) for one that is too long."""
+    return server_request_id(given)
 
 
 @dataclass
@@ -143,6 +150,7 @@ class GenerationRun:
         self._outputs: AsyncGenerator[tuple[int, Output], None] | None = None
         self._first: asyncio.Future | None = None
         self._closed = False
+        self.owner = REQUEST_OWNER.get()
         self.session_id: str | None = None  # the x-session-id header or the ``user`` field: routing affinity
 
     def admit(self, num_prompts: int, params: SamplingParams | BeamSearchParams) -> None:
@@ -155,6 +163,7 @@ class GenerationRun:
                   params: SamplingParams | BeamSearchParams, cache_salt: str | None) -> EnginePrompt:
         text, request = await engine.process(request_id, prompt, params, cache_salt)
         self.prompts.append(EnginePrompt(request_id, text, request))
+        self.state.owners.add(request_id, self.owner)  # released by close()
         return self.prompts[-1]
 
     def outputs(self, engine: EngineClient, stream: bool) -> AsyncGenerator[tuple[int, Output], None]:
@@ -208,5 +217,7 @@ class GenerationRun:
                 await self._outputs.aclose()
         finally:
             self._slot.close()
+            for p in self.prompts:
+                self.state.owners.discard(p.request_id)
             if self.admitted and not self.finished:
                 self.timer.finished("error" if self.failed else "abort")

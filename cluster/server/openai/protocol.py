@@ -133,7 +133,8 @@ class SamplingRequest(RequestModel):
     length_penalty: float = 1.0
     cache_salt: str | None = Field(None, description="Prefix-cache isolation: only requests with the same salt "
                                                      "share cached prompt blocks.")
-    request_id: str | None = Field(None, description="The engine's request id (default: a random one).")
+    request_id: str | None = Field(None, description="Names the request (at most 256 printable characters): the "
+                                                      "server appends -<random hex>; the response's id has it.")
     return_token_ids: bool = Field(False, description="Add each choice's token ids and the prompt's.")
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None

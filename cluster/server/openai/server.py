@@ -17,6 +17,9 @@ logger = logging.getLogger(__name__)
 
 
 GATEWAY_HEADER = b"x-pagedserve-gateway"
+# Connections beyond --max-concurrent-requests that uvicorn still serves (health checks, /metrics, idle keep-alive
+# connections, requests the gateway refuses itself with 429); past them all it answers 503 before the app runs.
+HEADROOM_CONNECTIONS = 128
 
 
 def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -45,7 +48,8 @@ class HttpServer:
         # loop that streams tokens.
         self.config = uvicorn.Config(self.app, host=host, port=port, loop="none", http="httptools", ws="none",
                                      lifespan="off", access_log=False, log_level="warning", ssl_certfile=ssl_certfile,
-                                     ssl_keyfile=ssl_keyfile, timeout_keep_alive=30)
+                                     ssl_keyfile=ssl_keyfile, timeout_keep_alive=30,
+                                     limit_concurrency=state.max_concurrent_requests + HEADROOM_CONNECTIONS)
         self.server = uvicorn.Server(self.config)
         self.sock = bind(host, port, reuse_port)
         self.port = self.sock.getsockname()[1]
