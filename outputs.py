@@ -89,6 +89,7 @@ class EngineCoreOutput:
     beams: list[BeamSearchSequence] | None = None  # beam search, once finished: best first, text unset
 
     error: str | None = None
+    invalid_request: bool = False  # the error is the request's own (its grammar): a bad request, not a retry
 
 
 @dataclass
@@ -99,3 +100,4 @@ class EngineHealth:
     healthy: bool
     reason: str = ""
     failed: bool = False  # for good: the model fails every step the same way (``reason`` says how)
+    draining: bool = False  # being scaled in or replaced: route nothing new here; its requests will move

@@ -284,8 +284,8 @@ class Server:
         env.pop("RAY_ADDRESS", None)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [exe, "serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
-             "--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port),
+            [exe, "serve", "--model", model_dir, "--host", "127.0.0.1", "--grpc-port", str(self.port),
+             "--port", str(self.http_port), "--metrics-port", str(self.metrics_port),
              "--max-num-seqs", str(max_num_seqs), "--device", device, "--enable-prompt-tokens-details"],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

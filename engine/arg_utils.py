@@ -48,7 +48,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _arg(None, "tokens per step at most (default 2048)")
     max_model_len: int | None = _arg(None, "context length (default: the model's)")
     kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (default: profiled on GPU, 20%% of free RAM "
-                                             "on CPU)")
+                                             "on CPU)", aliases=["--kv-cache-memory-bytes"])
     num_gpu_blocks_override: int | None = _arg(None, "KV-cache blocks, overriding the memory-based count")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps")

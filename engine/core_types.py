@@ -76,3 +76,14 @@ class EngineStats:
     num_worker_restarts: int
     num_constrained_requests: int  # structured output
     scheduler: SchedulerStats  # a copy of the scheduler's counters
+
+
+@dataclass
+class ScaleResult:
+    """What a change of the number of replicas did."""
+
+    num_replicas: int  # serving once the change is done
+    added: int
+    removed: int
+    moved_requests: int  # still running on the removed replicas when their drain ended, moved to others
+    model: str | None = None  # the model dir the replicas serve, after a rollout

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from prometheus_client.core import Metric
 
-from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
+from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats, ScaleResult
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
@@ -20,6 +20,11 @@ class EngineClient(ABC):
     @abstractmethod
     def healthy(self) -> bool:
         """Whether it can take and finish requests now (not while every replica is down or restarting)."""
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas serving now (scaling and failures change it)."""
+        return 1
 
     @property
     def health_detail(self) -> str:
@@ -53,3 +58,24 @@ class EngineClient(ABC):
     @abstractmethod
     def collect_metrics(self) -> list[Metric]:
         """The engines' Prometheus metric families, for the server's /metrics (called on the scrape thread)."""
+
+
+class ReplicaScaler(ABC):
+    """Changes the number of replicas while they serve (the process that launched them owns it)."""
+
+    @property
+    @abstractmethod
+    def is_scaling(self) -> bool:
+        """A change is in progress."""
+
+    @abstractmethod
+    async def scale_to(self, num_replicas: int, drain_timeout: float | None = None) -> ScaleResult:
+        """Add replicas (placed and warmed up before any request is routed to them) or remove the least busy
+        (routed nothing new, their requests given ``drain_timeout`` seconds to finish, the rest moved to the
+        others token-exact). Raises InvalidRequestError for a bad count or while another change runs."""
+
+    @abstractmethod
+    async def rollout(self, model: str, drain_timeout: float | None = None) -> ScaleResult:
+        """Replace every replica, one at a time, by one serving ``model`` (same architecture and tokenizer; the
+        served name stays). A replacement that cannot be placed or fails its warm-up stops the rollout with the
+        replicas not yet replaced still serving (EngineUnavailableError saying why)."""

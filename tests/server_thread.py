@@ -20,11 +20,11 @@ def free_port() -> int:
 
 class ServerThread:
     def __init__(self, args: EngineArgs, **opts) -> None:
-        opts.setdefault("port", free_port())
+        opts.setdefault("grpc_port", free_port())
         opts.setdefault("metrics_port", 0)
         opts.setdefault("http_port", 0)  # no HTTP API unless asked (http_port=free_port())
         self.opts = ServeOptions(host="127.0.0.1", **opts)
-        self.target = f"127.0.0.1:{self.opts.port}"
+        self.target = f"127.0.0.1:{self.opts.grpc_port}"
         scheme = "https" if self.opts.ssl_certfile else "http"
         self.http_url = f"{scheme}://127.0.0.1:{self.opts.http_port}" if self.opts.http_port else None
         self.args = args

@@ -85,7 +85,7 @@ async def run_demo(args: EngineArgs, prompts: list[str], sampling: dict, opts: S
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="*")
-    p.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
+    p.add_argument("--grpc-port", type=int, default=0, help="gRPC port (default: a free one)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     EngineArgs.add_cli_args(p)
     add_sampling_args(p)
@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    opts = ServeOptions(host="127.0.0.1", port=ns.port, data_parallel_size=ns.data_parallel_size, metrics_port=0)
+    opts = ServeOptions(host="127.0.0.1", grpc_port=ns.grpc_port, data_parallel_size=ns.data_parallel_size,
+                        metrics_port=0)
     uvloop.run(run_demo(EngineArgs.from_cli_args(ns), ns.prompts or DEFAULT_PROMPTS, sampling_kwargs(ns, _SAMPLING),
                         opts))
     return 0

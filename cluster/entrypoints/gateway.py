@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import ray
 import uvloop
 
+from pagedserve.cluster.runtime.ray_auth import ALLOW_FLAG, check_ray_auth
 from pagedserve.cluster.runtime.replicas import NAMESPACE, Replica, attach_replicas, find_served_model
 from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.cluster.runtime.routing import (
@@ -30,6 +32,7 @@ from pagedserve.cluster.runtime.routing import (
 from pagedserve.cluster.server.api_options import ApiOptions, api_keys
 from pagedserve.cluster.server.gateway import Gateway
 from pagedserve.cluster.server.metrics import GatewayMetrics
+from pagedserve.cluster.server.openai.tool_parsers import TOOL_PARSER_NAMES
 from pagedserve.cluster.server.state import ModelInfo
 from pagedserve.cluster.server.vllm_metrics import COMPAT_MODES
 from pagedserve.engine.gc_heap import freeze_gc_heap
@@ -37,7 +40,8 @@ from pagedserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HTTP_PORT = 8000
+DEFAULT_HTTP_PORT = 8000  # as `vllm serve`: --port is the HTTP API's
+DEFAULT_GRPC_PORT = 50051
 ATTACH_POLL_S = 2.0
 _PR_SET_PDEATHSIG = 1
 
@@ -47,7 +51,7 @@ class ServeOptions:
     """The server's own options (the engine's are ``EngineArgs``)."""
 
     host: str = "0.0.0.0"
-    port: int = 50051
+    grpc_port: int = DEFAULT_GRPC_PORT
     api_key: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
@@ -58,8 +62,8 @@ class ServeOptions:
     drain_timeout: float = 30.0
     served_model_name: str | None = None
     metrics_port: int = 9400  # 0: no /metrics endpoint
-    # The OpenAI-compatible HTTP API; 0: none. `pagedserve serve --http-port` defaults to 8000; code that builds its
-    # own options (the demo, tests) opts in.
+    # The OpenAI-compatible HTTP API; 0: none. `pagedserve serve --port` defaults to 8000; code that builds its own
+    # options (the demo, tests) opts in.
     http_port: int = 0
     chat_template: str | None = None  # a file (or an inline template) overriding the tokenizer's chat template
     api_server_count: int = 1  # gateway processes sharing the ports; 1: the gateway runs in serve's own process
@@ -72,6 +76,10 @@ class ServeOptions:
     metrics_compat: str = "vllm"  # also export vLLM's names for the same series ("none": only pagedserve's)
     disable_fastapi_docs: bool = False
     enable_prompt_tokens_details: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    allow_unauthenticated_ray: bool = False  # join a Ray cluster reachable beyond loopback that has token auth off
+    autoscale: str | None = None  # the autoscaling policy (AutoscalePolicy.parse); None: recommend only (metrics)
 
     def __post_init__(self) -> None:
         if self.routing_policy is not None and self.routing_policy not in POLICIES:
@@ -79,7 +87,8 @@ class ServeOptions:
 
     @property
     def api_options(self) -> ApiOptions:
-        return ApiOptions(self.strict_request_fields, self.disable_fastapi_docs, self.enable_prompt_tokens_details)
+        return ApiOptions(self.strict_request_fields, self.disable_fastapi_docs, self.enable_prompt_tokens_details,
+                          self.enable_auto_tool_choice, self.tool_call_parser)
 
     def make_policy(self, num_replicas: int) -> RoutingPolicy:
         return make_policy(self.routing_policy or default_policy(num_replicas), self.routing_balance_factor)
@@ -105,6 +114,7 @@ async def run_gateway(spec: GatewaySpec, stop: asyncio.Event | None = None,
     opts = spec.opts
     if not ray.is_initialized():  # first: ray.init installs a SIGTERM handler of its own, which ours replaces
         ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    check_ray_auth(opts.allow_unauthenticated_ray)
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -119,16 +129,17 @@ async def run_gateway(spec: GatewaySpec, stop: asyncio.Event | None = None,
     infos = await asyncio.gather(*[r.actor.get_info.remote() for r in replicas])
     tokenizer = load_tokenizer(spec.tokenizer or infos[0].model)
     metrics = GatewayMetrics(name, spec.engine_metrics, opts.metrics_compat)
-    gateway = Gateway(tokenizer, metrics, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
+    gateway = Gateway(tokenizer, metrics, opts.host, opts.grpc_port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
                       opts.max_concurrent_requests, opts.http_port or None, opts.chat_template, spec.reuse_port,
                       f"{socket.gethostname()}/{os.getpid()}", api_options=opts.api_options)
-    engine = None
+    engine, discovery = None, None
     try:
         await gateway.start()
         if opts.metrics_port:
             gateway.metrics_port = metrics.start_http_server(opts.metrics_port, opts.host)
         engine = ReplicaRouter(replicas, tokenizer, infos, opts.make_policy(len(replicas)))
         engine.start()
+        discovery = asyncio.ensure_future(_follow_replicas(name, engine))
         freeze_gc_heap()
         await gateway.set_ready(engine, ModelInfo(name, engine.info, len(replicas)))
         logger.info("gateway %s ready: serving %s on %s:%d (gRPC), HTTP port %s, metrics port %s (%d replica(s))",
@@ -139,10 +150,30 @@ async def run_gateway(spec: GatewaySpec, stop: asyncio.Event | None = None,
         await stop.wait()
         logger.info("gateway %s draining (up to %.0f s)", gateway.gateway_id, opts.drain_timeout)
     finally:
+        if discovery is not None:
+            discovery.cancel()
         await gateway.drain(opts.drain_timeout if engine else 0.0)
         if engine is not None:
             await engine.close()
         logger.info("gateway %s stopped", gateway.gateway_id)
+
+
+async def _follow_replicas(name: str, router: ReplicaRouter) -> None:
+    """Route to the replicas a scale-out or rollout adds (their launcher owns them; one it removes tells the
+    gateways itself, by draining)."""
+    while True:
+        await asyncio.sleep(ATTACH_POLL_S)
+        try:
+            found = await asyncio.to_thread(attach_replicas, name)
+        except Exception as e:  # the GCS briefly unreachable: the next poll tries again
+            logger.warning("listing the replicas of %s failed: %s", name, e)
+            continue
+        known = {r.index for r in router.replicas}
+        for replica in found:
+            if replica.index not in known:
+                with contextlib.suppress(ray.exceptions.RayError):  # gone again before it was reached
+                    await replica.actor.warmup.remote()  # a no-op once its launcher warmed it up
+                    await router.add_replica(replica)
 
 
 async def _wait_for_replicas(model_name: str | None) -> tuple[str, list[Replica]]:
@@ -181,7 +212,9 @@ def add_server_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     d = ServeOptions()
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host)
-    g.add_argument("--port", type=int, default=d.port, help="gRPC port")
+    g.add_argument("--port", dest="http_port", type=int, default=DEFAULT_HTTP_PORT,
+                   help="port of the OpenAI-compatible HTTP API (0: off); same key, TLS files and limits as gRPC")
+    g.add_argument("--grpc-port", type=int, default=d.grpc_port, help="port of the gRPC API")
     g.add_argument("--api-key", action=_ApiKeys, default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="require 'authorization: Bearer KEY' with one of the keys given (repeat the flag, or a comma "
                         "list; default: $PAGEDSERVE_API_KEY)")
@@ -199,8 +232,6 @@ def add_server_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--metrics-compat", choices=COMPAT_MODES, default=d.metrics_compat,
                    help="vllm: also export the series vLLM's dashboards and autoscalers read (vllm:*), with vLLM's "
                         "names and labels; none: only pagedserve_*")
-    g.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
-                   help="port of the OpenAI-compatible HTTP API (0: off); same key, TLS files and limits as gRPC")
     g.add_argument("--chat-template", default=None,
                    help="chat template file (Jinja) for /v1/chat/completions, overriding the tokenizer's")
     g.add_argument("--strict-request-fields", action="store_true",
@@ -211,6 +242,14 @@ def add_server_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                         "what another has cached")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json on the HTTP port")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="chat: with tool_choice 'auto' (the default when tools are given), parse the model's text for "
+                        "tool calls with --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
+                   help="how the model writes tool calls (vLLM's names)")
+    g.add_argument(ALLOW_FLAG, action="store_true",
+                   help="serve from a Ray cluster reachable beyond loopback even though its token authentication is "
+                        "off (refused by default)")
     g.add_argument("--routing-policy", choices=POLICIES, default=None,
                    help="how requests pick a replica (default: prefix-aware with more than one replica, else "
                         "least-loaded)")

@@ -16,13 +16,17 @@ import uvloop
 
 from pagedserve.cluster.entrypoints.gateway import ServeOptions, add_server_args
 from pagedserve.cluster.entrypoints.supervisor import supervise
+from pagedserve.cluster.runtime.autoscaler import AutoscalePolicy, Autoscaler
 from pagedserve.cluster.runtime.private_ray import PrivateRay
+from pagedserve.cluster.runtime.ray_auth import check_ray_auth
+from pagedserve.cluster.runtime.replica_set import ReplicaSet
 from pagedserve.cluster.runtime.replicas import Replica, launch_replicas, shutdown_replicas
 from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.cluster.server.gateway import Gateway
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.cluster.server.state import ModelInfo
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.executor.ray_utils import ensure_ray
 from pagedserve.engine.gc_heap import freeze_gc_heap
 from pagedserve.engine.tokenizer import load_tokenizer
 
@@ -37,14 +41,14 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     name = served_model_name(opts, model_dir)
     metrics = GatewayMetrics(name, compat=opts.metrics_compat)
-    gateway = Gateway(tokenizer, metrics, opts.host, opts.port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
+    gateway = Gateway(tokenizer, metrics, opts.host, opts.grpc_port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
                       opts.max_concurrent_requests, opts.http_port or None, opts.chat_template,
                       api_options=opts.api_options)
     await gateway.start()
     if opts.metrics_port:
         gateway.metrics_port = metrics.start_http_server(opts.metrics_port, opts.host)
         logger.info("Prometheus metrics on http://%s:%d/metrics", opts.host, gateway.metrics_port)
-    logger.info("gRPC gateway listening on %s:%d (NOT_SERVING until the model is loaded)", opts.host, gateway.port)
+    logger.info("gRPC API listening on %s:%d (NOT_SERVING until the model is loaded)", opts.host, gateway.port)
     if gateway.http is not None:
         logger.info("OpenAI-compatible API on %s://%s:%d/v1 (503 until the model is loaded)", gateway.http.scheme,
                     opts.host, gateway.http_port)
@@ -58,11 +62,15 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
     private_ray = None
     if not ray.is_initialized() and not (args.ray_address or os.environ.get("RAY_ADDRESS")):
         private_ray = PrivateRay()
-    replicas, engine = [], None
+    policy = AutoscalePolicy.parse(opts.autoscale) if opts.autoscale else AutoscalePolicy()
+    replicas, engine, replica_set, autoscaler = [], None, None, None
 
     def start_replicas() -> list[Replica]:
         if private_ray is not None:
             private_ray.start()
+        else:
+            ensure_ray(args.ray_address)
+            check_ray_auth(opts.allow_unauthenticated_ray)
         return launch_replicas(args, opts.data_parallel_size, opts.max_waiting_requests, opts.step_timeout or None,
                                name if opts.name_replicas else None)
 
@@ -77,8 +85,13 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
         infos = await asyncio.gather(*[r.actor.get_info.remote() for r in replicas])
         engine = ReplicaRouter(replicas, tokenizer, infos, opts.make_policy(opts.data_parallel_size))
         engine.start()
+        replica_set = ReplicaSet(args, replicas, engine, opts.drain_timeout, opts.max_waiting_requests,
+                                 opts.step_timeout or None, name if opts.name_replicas else None)
+        autoscaler = Autoscaler(policy, engine, replica_set, act=opts.autoscale is not None)
+        engine.metric_sources.append(autoscaler.collect_metrics)
+        autoscaler.start()
         freeze_gc_heap()
-        await gateway.set_ready(engine, ModelInfo(name, engine.info, len(replicas)))
+        await gateway.set_ready(engine, ModelInfo(name, engine.info, len(replicas)), replica_set)
         logger.info("ready: serving %s on %s:%d (%d replica(s), tensor_parallel_size=%d, %d KV blocks each)",
                     name, opts.host, gateway.port, len(replicas), engine.info.tensor_parallel_size,
                     engine.info.num_kv_blocks)
@@ -87,10 +100,15 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
         await stop.wait()
         logger.info("draining (up to %.0f s)", opts.drain_timeout)
     finally:
+        if autoscaler is not None:
+            await autoscaler.stop()
         await gateway.drain(opts.drain_timeout if engine else 0.0)
         if engine is not None:
             await engine.close()
-        shutdown_replicas(replicas)
+        if replica_set is not None:
+            await replica_set.shutdown()  # after a scaling operation in progress ends
+        else:
+            shutdown_replicas(replicas)
         if private_ray is not None:
             private_ray.stop()
         logger.info("stopped")
@@ -110,21 +128,34 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-timeout", type=float, default=d.step_timeout,
                    help="seconds an engine step may make no progress before the engine is restarted (its requests "
                         "resume); 0: never")
+    g.add_argument("--autoscale", default=None, metavar="POLICY",
+                   help="change the number of replicas with the load: min=1,max=4[,waiting=4][,kv_usage=0.8]"
+                        "[,ttft_p90=2][,interval=5][,scale_out_cooldown=30][,scale_in_cooldown=300] (targets per "
+                        "replica; off: the same decision is only exported, as pagedserve_desired_replicas)")
     g.add_argument("--api-server-count", type=int, default=d.api_server_count,
                    help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), all routing to the same "
                         "replicas; gateway i serves /metrics on --metrics-port + i")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model dir (as --model)")
     EngineArgs.add_cli_args(p)
     add_serve_args(p)
 
 
 def run(ns: argparse.Namespace) -> int:
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
+        ns.model = ns.model_tag
     opts = ServeOptions(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServeOptions)
                            if f.name != "name_replicas"}, name_replicas=True)
     if opts.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {opts.api_server_count}")
+    if opts.autoscale is not None:
+        AutoscalePolicy.parse(opts.autoscale)  # a bad policy fails before anything starts
+        if opts.api_server_count > 1:
+            raise ValueError("--autoscale needs the replicas and the gateway in one process (--api-server-count 1)")
     if opts.api_server_count > 1:
         args = EngineArgs.from_cli_args(ns)
         return supervise(args, opts, served_model_name(opts, args.create_engine_config().model_config.model),

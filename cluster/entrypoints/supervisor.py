@@ -19,6 +19,7 @@ import ray
 
 from pagedserve.cluster.entrypoints.gateway import GatewaySpec, ServeOptions, gateway_process_main
 from pagedserve.cluster.runtime.private_ray import PrivateRay
+from pagedserve.cluster.runtime.ray_auth import check_ray_auth
 from pagedserve.cluster.runtime.replicas import launch_replicas, shutdown_replicas
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.executor.ray_utils import ensure_ray
@@ -52,6 +53,7 @@ def supervise(args: EngineArgs, opts: ServeOptions, name: str, log_level: str = 
         private_ray.start()
     else:
         ensure_ray(args.ray_address)
+        check_ray_auth(opts.allow_unauthenticated_ray)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's driver set its own (which exits at once)
         signal.signal(sig, lambda *_: stop.set())
@@ -64,7 +66,8 @@ def supervise(args: EngineArgs, opts: ServeOptions, name: str, log_level: str = 
             return 0
         address = ray.get_runtime_context().gcs_address
         # Every gateway must bind the same ports, so a free one is chosen here.
-        shared = dataclasses.replace(opts, served_model_name=name, port=opts.port or _free_port(opts.host))
+        shared = dataclasses.replace(opts, served_model_name=name,
+                                     grpc_port=opts.grpc_port or _free_port(opts.host))
         ctx = multiprocessing.get_context("spawn")
         for i in range(opts.api_server_count):
             metrics_port = opts.metrics_port + i if opts.metrics_port else 0
@@ -74,7 +77,7 @@ def supervise(args: EngineArgs, opts: ServeOptions, name: str, log_level: str = 
             gateways.append(_GatewayProcess(i, spec))
         for g in gateways:
             _start(ctx, g)
-        logger.info("%d gateways on %s:%d (gRPC)%s", len(gateways), opts.host, shared.port,
+        logger.info("%d gateways on %s:%d (gRPC)%s", len(gateways), opts.host, shared.grpc_port,
                     f" and HTTP port {opts.http_port}" if opts.http_port else "")
         while not stop.wait(0.2):
             for g in gateways:

@@ -75,6 +75,7 @@ class EngineCoreActor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stepping = False  # a step is queued on the engine thread; engine thread only
         self._stopped = False
+        self._draining = False
         self._step_started: float | None = None  # monotonic start of the step in progress (engine thread writes)
         self._healthy = EngineHealth(True)
         self._watchdog_task: asyncio.Task | None = None
@@ -100,6 +101,8 @@ class EngineCoreActor:
             self._healthy = event
 
     def _broadcast(self, event: EngineHealth) -> None:
+        if self._draining and event.healthy:  # rebuilt workers while draining: still routed nothing new
+            return
         self._healthy = event
         for q in self._queues.values():
             q.put_nowait([event])
@@ -269,6 +272,26 @@ class EngineCoreActor:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+    # ---- scale-in and replacement -----------------------------------------------------------------------------
+    def begin_drain(self, reason: str) -> None:
+        """Tell every gateway, now and on connecting, to route nothing new here."""
+        self._draining = True
+        self._broadcast(EngineHealth(False, reason, draining=True))
+
+    def num_owned_requests(self) -> int:
+        """Requests a gateway still waits on here."""
+        return len(self._owner)
+
+    async def migrate_out(self) -> int:
+        """End every gateway's stream: each aborts its requests here (freeing their blocks) and resumes them on
+        another replica with the tokens streamed so far and the same seed (see the router's ``_pump``). Returns how
+        many requests were running."""
+        moved = len(self._owner)
+        for client, q in self._queues.items():
+            self._expired.add(client)
+            q.put_nowait([])
+        return moved
 
     async def kv_snapshot(self) -> KVCacheSnapshot:
         """Every block hash in the prefix cache now (a router resyncs from it)."""

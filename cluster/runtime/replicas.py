@@ -53,43 +53,70 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
         if attach_replicas(name):
             raise ValueError(f"replicas of {name!r} already run in this Ray cluster (namespace {NAMESPACE!r}); stop "
                              "that server, or pick another --served-model-name")
-    tp = config.parallel_config.tensor_parallel_size
-    gpu = config.device == "cuda"
-    in_actor = config.parallel_config.distributed_executor_backend == "uni"
     replicas = []
     try:
         for i in range(data_parallel_size):
-            if in_actor:  # the model runs inside the engine-core actor
-                cpu = rank_cpus(data_parallel_size, gpu)
-                bundles = [rank_bundle(cpu, gpu)]
-                opts = {"num_cpus": cpu, "num_gpus": 1 if gpu else 0}
-            else:
-                cpu = rank_cpus(tp * data_parallel_size, gpu, CORE_ACTOR_CPUS * data_parallel_size)
-                bundles = [{"CPU": CORE_ACTOR_CPUS}] + [rank_bundle(cpu, gpu)] * tp
-                opts = {"num_cpus": CORE_ACTOR_CPUS}
-            pg = make_placement_group(bundles, f"replica{i}", detached=name is not None)
-            report = check_placement_group(pg, config)  # before the engine loads: fail in seconds, with the fixes
-            if not report.ok:
-                remove_placement_group(pg)
-                raise ValueError(f"preflight failed for replica {i} on {report.label}: {report.failures()}")
-            threads = max(1, (os.cpu_count() or 1) // data_parallel_size) if in_actor else 1
-            named = {} if name is None else {"name": replica_name(name, i), "namespace": NAMESPACE,
-                                             "lifetime": "detached"}
-            actor = ray.remote(EngineCoreActor).options(
-                **named,
-                # Ray restarts a dead engine-core actor (its TP workers die with it; the new one rebuilds them).
-                **opts, max_concurrency=10_000, max_restarts=MAX_RESTARTS,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                                     placement_group_bundle_index=0,
-                                                                     placement_group_capture_child_tasks=False),
-            ).remote(args, max_waiting_requests, threads, step_timeout)
-            replicas.append(Replica(i, actor, pg))
+            replicas.append(_start_replica(args, config, i, data_parallel_size, max_waiting_requests, step_timeout,
+                                           name))
         _warm_up(replicas)
     except BaseException:
         shutdown_replicas(replicas)
         raise
-    logger.info("%d replica(s) ready (tensor_parallel_size=%d)", len(replicas), tp)
+    logger.info("%d replica(s) ready (tensor_parallel_size=%d)", len(replicas),
+                config.parallel_config.tensor_parallel_size)
     return replicas
+
+
+def launch_replica(args: EngineArgs, index: int, share: int, max_waiting_requests: int | None = None,
+                   step_timeout: float | None = None, name: str | None = None) -> Replica:
+    """One more replica (a scale-out, or a rollout's replacement), warmed up, with a CPU share sized for ``share``
+    replicas; released again if it cannot be placed or fails its warm-up."""
+    replica = _start_replica(args, args.create_engine_config(), index, share, max_waiting_requests, step_timeout,
+                             name)
+    try:
+        _warm_up([replica])
+    except BaseException:
+        shutdown_replicas([replica])
+        raise
+    return replica
+
+
+def _start_replica(args: EngineArgs, config, index: int, share: int, max_waiting_requests: int | None,
+                   step_timeout: float | None, name: str | None) -> Replica:
+    """Place replica ``index`` and start its engine-core actor (not yet warmed up); ``share``: how many replicas
+    divide the cluster's CPUs."""
+    tp = config.parallel_config.tensor_parallel_size
+    gpu = config.device == "cuda"
+    if config.parallel_config.distributed_executor_backend == "uni":  # the model runs inside the engine-core actor
+        cpu = rank_cpus(share, gpu)
+        bundles = [rank_bundle(cpu, gpu)]
+        opts = {"num_cpus": cpu, "num_gpus": 1 if gpu else 0}
+        threads = max(1, (os.cpu_count() or 1) // share)
+    else:
+        cpu = rank_cpus(tp * share, gpu, CORE_ACTOR_CPUS * share)
+        bundles = [{"CPU": CORE_ACTOR_CPUS}] + [rank_bundle(cpu, gpu)] * tp
+        opts = {"num_cpus": CORE_ACTOR_CPUS}
+        threads = 1
+    pg = make_placement_group(bundles, f"replica{index}", detached=name is not None)
+    report = check_placement_group(pg, config)  # before the engine loads: fail in seconds, with the fixes
+    if not report.ok:
+        remove_placement_group(pg)
+        raise ValueError(f"preflight failed for replica {index} on {report.label}: {report.failures()}")
+    named = {} if name is None else {"name": replica_name(name, index), "namespace": NAMESPACE,
+                                     "lifetime": "detached"}
+    try:
+        actor = ray.remote(EngineCoreActor).options(
+            **named,
+            # Ray restarts a dead engine-core actor (its TP workers die with it; the new one rebuilds them).
+            **opts, max_concurrency=10_000, max_restarts=MAX_RESTARTS,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                 placement_group_bundle_index=0,
+                                                                 placement_group_capture_child_tasks=False),
+        ).remote(args, max_waiting_requests, threads, step_timeout)
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    return Replica(index, actor, pg)
 
 
 def find_served_model(model_name: str | None = None) -> str | None:
@@ -126,6 +153,11 @@ def _warm_up(replicas: list[Replica]) -> None:
             why = str(cause) if isinstance(cause, EngineUnavailableError) else f"{type(cause).__name__}: {cause}"
             logger.error("replica %d failed its warm-up: %s", r.index, why)
             raise EngineUnavailableError(f"model replica {r.index} failed its warm-up: {why}") from None
+        except ray.exceptions.RayActorError as e:  # its constructor raised (the weights did not load, say)
+            lines = [ln for ln in str(e).splitlines() if ln.strip()]
+            why = lines[-1].strip() if lines else type(e).__name__
+            logger.error("replica %d could not start: %s", r.index, e)
+            raise EngineUnavailableError(f"model replica {r.index} could not start: {why}") from None
 
 
 def shutdown_replicas(replicas: list[Replica]) -> None:

@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -48,6 +48,7 @@ RESUME_WAIT_S = 120.0  # how long a request whose engine died waits for one that
 AFFINITY_OVERLOAD_RATIO = 2
 AFFINITY_OVERLOAD_SLACK = 4
 MAX_SESSIONS = 100_000  # sessions remembered, least recently used dropped first
+MAX_TTFT_SAMPLES = 10_000
 
 
 def unwrap(e: BaseException) -> BaseException:
@@ -69,6 +70,8 @@ class ReplicaState:
     ready: bool = True  # and not rebuilding its workers
     gone: bool = False  # dead for good (Ray's restarts spent)
     error: str | None = None  # failed for good: its model fails every step the same way (the error)
+    retiring: bool = False  # draining for a scale-in or a replacement; dropped from the list once its actor ends
+    restarts: int = 0  # times this gateway saw its actor come back
 
     @property
     def index(self) -> int:
@@ -97,6 +100,7 @@ class _InFlight:
     replica: ReplicaState
     seed: int | None = None  # the engine's base seed, once it took the request
     attempts: int = 0  # engines that died under it
+    resuming: bool = False  # a resume is under way (a second death seen meanwhile joins it)
     error: str | None = None  # why the engine ended it with an error
     prefill: int = 0  # prompt tokens the router expects its replica to prefill, until the first output
     decode: int = 0  # output tokens it may still generate (estimated, capped)
@@ -139,10 +143,35 @@ class ReplicaRouter(EngineClient):
         self._pumps: list[asyncio.Task] = []
         self._health_listeners: list[Callable[[], Awaitable[None]]] = []
         self._changed = asyncio.Event()  # set (and replaced) whenever a replica's state changes
+        self._ttfts: deque[float] = deque(maxlen=MAX_TTFT_SAMPLES)  # seconds to first output, since last taken
+        self.metric_sources: list[Callable[[], list[Metric]]] = []  # more families for /metrics (the autoscaler)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._pumps = [loop.create_task(self._pump(r)) for r in self.replicas] + [loop.create_task(self._renew())]
+
+    async def add_replica(self, replica: Replica) -> None:
+        """Route to one more (warmed-up) replica: a scale-out, or a replacement during a rollout."""
+        if any(r.index == replica.index for r in self.replicas):
+            return
+        r = ReplicaState(replica)
+        self.replicas.append(r)
+        self._pumps.append(asyncio.get_running_loop().create_task(self._pump(r)))
+        logger.info("replica %d added (%d serving)", r.index, self.num_replicas)
+        await self._set_state(r)
+
+    def take_ttfts(self) -> list[float]:
+        """Times to first output of the requests that started since the last call (the autoscaler's TTFT)."""
+        out = list(self._ttfts)
+        self._ttfts.clear()
+        return out
+
+    @property
+    def num_replicas(self) -> int:
+        return sum(r.serving for r in self.replicas)
+
+    def _replica(self, index: int) -> ReplicaState | None:
+        return next((r for r in self.replicas if r.index == index), None)
 
     async def _renew(self) -> None:
         """Renew this gateway's lease on every replica (see ``GATEWAY_LEASE_S``), never waiting on a slow one."""
@@ -204,10 +233,6 @@ class ReplicaRouter(EngineClient):
             raise EngineUnavailableError(f"no model replica is available ({self.health_detail})")
         return live
 
-    def _pick(self) -> ReplicaState:
-        """Any replica that serves now, for a request resumed from a dead one (its prompt and progress moved)."""
-        return self.policy.pick(self._live(), None).replica
-
     def _route(self, request: EngineCoreRequest, session_id: str | None = None) -> Pick[ReplicaState]:
         """The replica for a new request, from the replicas' state as it is now (a replica that is restarting or
         rebuilding is skipped, never waited on). A session sticks to its last replica while that serves and is not
@@ -218,9 +243,9 @@ class ReplicaRouter(EngineClient):
                              if self.policy.needs_block_hashes else [], self.info.block_size)
         pick = None
         if session_id is not None and (last := self._sessions.get(session_id)) is not None:
-            r = self.replicas[last]
+            r = self._replica(last)
             least = min(x.load for x in live)
-            if r.serving and r.load <= AFFINITY_OVERLOAD_RATIO * least + AFFINITY_OVERLOAD_SLACK:
+            if r is not None and r.serving and r.load <= AFFINITY_OVERLOAD_RATIO * least + AFFINITY_OVERLOAD_SLACK:
                 pick = Pick(r, "affinity")
             else:
                 pick = dataclasses.replace(self.policy.pick(live, route), reason="affinity_fallback")
@@ -237,12 +262,20 @@ class ReplicaRouter(EngineClient):
         self.decisions[pick.reason] += 1
         return pick
 
-    async def _wait_for_replica(self) -> ReplicaState | None:
-        """A replica that can serve, waiting up to RESUME_WAIT_S for one; None if none comes."""
+    def _pick(self, avoid: dict[int, int] | None = None) -> ReplicaState:
+        """Any replica that serves now, for a request resumed from a dead one (its prompt and progress moved).
+        ``avoid``: replica index -> its ``restarts`` when it failed this request (taken again once it came back)."""
+        live = [r for r in self._live() if avoid is None or avoid.get(r.index) != r.restarts]
+        if not live:
+            raise EngineUnavailableError("every serving replica failed taking this request")
+        return self.policy.pick(live, None).replica
+
+    async def _wait_for_replica(self, avoid: dict[int, int] | None = None) -> ReplicaState | None:
+        """A replica that can serve a resumed request, waiting up to RESUME_WAIT_S for one; None if none comes."""
         deadline = asyncio.get_running_loop().time() + RESUME_WAIT_S
         while True:
             with contextlib.suppress(EngineUnavailableError):
-                return self._pick()
+                return self._pick(avoid)
             left = deadline - asyncio.get_running_loop().time()
             if all(r.out for r in self.replicas) or left <= 0:
                 return None
@@ -258,16 +291,23 @@ class ReplicaRouter(EngineClient):
             try:
                 async for ref in gen:
                     await self._deliver(r, await ref)
-                # The replica ended the stream: it heard no lease renewal from this gateway in time (a stalled
-                # event loop) and aborted its requests there. Resume them and listen again.
-                logger.warning("replica %d took this gateway for dead; resuming its requests there", i)
+                # The replica ended the stream: it is moving its requests out (a scale-in), or it heard no lease
+                # renewal from this gateway in time (a stalled event loop); either way it aborted this gateway's
+                # requests there. Resume them elsewhere and listen again.
+                if r.retiring:
+                    logger.info("replica %d is draining; moving its requests to other replicas", i)
+                else:
+                    logger.warning("replica %d took this gateway for dead; resuming its requests", i)
                 for rec in [rec for rec in self._inflight.values() if rec.replica is r]:
                     asyncio.get_running_loop().create_task(self._resume(rec))
                 continue
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                logger.error("replica %d failed: %s", i, e)
+                if r.retiring:
+                    logger.info("replica %d ended", i)
+                else:
+                    logger.error("replica %d failed: %s", i, e)
             await self._set_state(r, alive=False)
             r.cached.clear()  # a restarted engine starts with an empty cache; its snapshot says so on reconnecting
             for rec in [rec for rec in self._inflight.values() if rec.replica is r]:
@@ -278,9 +318,13 @@ class ReplicaRouter(EngineClient):
                     r.error = restarted
                 else:
                     r.gone = True
+                if r.retiring:
+                    self.replicas.remove(r)
+                    logger.info("replica %d released (%d serving)", i, self.num_replicas)
                 await self._set_state(r)
                 return
             logger.info("replica %d restarted", i)
+            r.restarts += 1
             await self._set_state(r, alive=True, ready=True)
 
     @staticmethod
@@ -319,14 +363,18 @@ class ReplicaRouter(EngineClient):
             elif isinstance(item, KVCacheSnapshot):
                 r.cached = set(item.block_hashes)
             elif isinstance(item, EngineHealth):
-                if item.failed:
+                if item.draining:
+                    if not r.retiring:
+                        logger.info("replica %d draining: %s", r.index, item.reason)
+                    r.retiring = True
+                elif item.failed:
                     logger.error("replica %d failed: its model fails every step the same way: %s; it is no longer "
                                  "routed to", r.index, item.reason)
                     r.error = item.reason
-                else:
+                elif not r.retiring:
                     logger.log(logging.INFO if item.healthy else logging.WARNING, "replica %d %s", r.index,
                                "serves again" if item.healthy else f"cannot serve: {item.reason}")
-                await self._set_state(r, ready=item.healthy)
+                await self._set_state(r, ready=item.healthy and not r.retiring)
             else:
                 outputs.append(item)
                 if item.error is not None and (rec := self._inflight.get(item.request_id)) is not None:
@@ -345,30 +393,49 @@ class ReplicaRouter(EngineClient):
         rec.charge(target)
 
     async def _resume(self, rec: _InFlight) -> None:
-        """Send a request whose engine died to another (or the restarted) one, from where it stood."""
-        rid = rec.request.request_id
-        rec.attempts += 1
-        error = None
-        if rec.seed is None:
-            error = "its model replica failed before it started; retry the request"
-        elif rec.attempts > MAX_RESUMES:
-            error = f"its model replica failed {rec.attempts} times; retry the request"
-        target = None if error else await self._wait_for_replica()
-        if self._inflight.get(rid) is not rec:  # cancelled or finished meanwhile
+        """Send a request whose engine died to another (or the restarted) one, from where it stood. A target that
+        turns out to be dying too (its node lost with the first) counts as one more engine lost: another takes the
+        request, or that one once it has come back."""
+        if rec.resuming:  # the target it was moving to died too: the resume under way tries another
             return
-        if target is None and error is None:
-            error = "no model replica came back to resume it; retry the request"
-        if error is not None:
-            rec.queue.put_nowait(EngineUnavailableError(error))
-            return
-        state = self.processor.resume_state(rid, rec.seed)
-        self._move(rec, target)
-        logger.info("resuming request %s on replica %d (attempt %d)", rid, target.index, rec.attempts)
+        rec.resuming = True
         try:
-            await target.actor.add_request.remote(self.client_id, dataclasses.replace(rec.request, resume=state))
-        except ray.exceptions.RayError as e:
-            rec.queue.put_nowait(EngineUnavailableError(
-                f"model replica {target.index} failed resuming it: {type(e).__name__}"))
+            await self._resume_loop(rec)
+        finally:
+            rec.resuming = False
+
+    async def _resume_loop(self, rec: _InFlight) -> None:
+        rid = rec.request.request_id
+        failed: dict[int, int] = {}
+        while True:
+            rec.attempts += 1
+            error = None
+            if rec.seed is None:
+                error = "its model replica failed before it started; retry the request"
+            elif rec.attempts > MAX_RESUMES:
+                error = f"its model replica failed {rec.attempts} times; retry the request"
+            target = None if error else await self._wait_for_replica(failed)
+            if self._inflight.get(rid) is not rec:  # cancelled or finished meanwhile
+                return
+            if target is None and error is None:
+                error = "no model replica came back to resume it; retry the request"
+            if error is not None:
+                rec.queue.put_nowait(EngineUnavailableError(error))
+                return
+            state = self.processor.resume_state(rid, rec.seed)
+            self._move(rec, target)
+            logger.info("resuming request %s on replica %d (attempt %d)", rid, target.index, rec.attempts)
+            try:
+                await target.actor.add_request.remote(self.client_id, dataclasses.replace(rec.request, resume=state))
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                logger.warning("replica %d failed taking request %s (%s); trying another", target.index, rid,
+                               type(e).__name__)
+                failed[target.index] = target.restarts
+            except ray.exceptions.RayError as e:
+                rec.queue.put_nowait(EngineUnavailableError(
+                    f"model replica {target.index} failed resuming it: {type(e).__name__}"))
+                return
 
     # ---- the EngineClient API ----------------------------------------------------------------------------------
     async def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
@@ -394,6 +461,8 @@ class ReplicaRouter(EngineClient):
         rec.replica.load += 1
         rec.charge(rec.replica)
         finished = False
+        started = asyncio.get_running_loop().time()
+        first = True
         try:
             self.processor.add_request(request_id, prompt, request.prompt_token_ids, request.params, stream,
                                        delta=True)
@@ -409,8 +478,9 @@ class ReplicaRouter(EngineClient):
                         finished = True  # nothing was queued
                         raise cause from None
                     raise EngineUnavailableError(f"model replica {i} failed: {type(cause).__name__}") from None
-                except ray.exceptions.RayActorError as e:
-                    # Its actor died before its stream told us: nothing was queued there, another replica takes it.
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                    # Its actor died (or is restarting) before its stream told us: nothing was queued there, another
+                    # replica takes it.
                     tried.add(i)
                     others = [r for r in self.replicas if r.serving and r.index not in tried]
                     if not others:
@@ -430,6 +500,9 @@ class ReplicaRouter(EngineClient):
                                                  "the model workers failed under this request repeatedly; retry it")
                 finished = item.finished
                 rec.settle(sum(len(c.token_ids) for c in item.outputs) if isinstance(item, RequestOutput) else 0)
+                if first:
+                    self._ttfts.append(asyncio.get_running_loop().time() - started)
+                    first = False
                 yield item
                 if finished:
                     return
@@ -483,7 +556,11 @@ class ReplicaRouter(EngineClient):
                                         labels=["policy", "reason"])
         for reason, n in list(self.decisions.items()):
             decisions.add_metric([self.policy.name, reason], n)
-        return [up, expected, decisions, *merged.values()]
+        serving = GaugeMetricFamily("pagedserve_serving_replicas",
+                                    "Model replicas serving now (scaling, draining and failures change it).")
+        serving.add_metric([], self.num_replicas)
+        extra = [fam for source in self.metric_sources for fam in source()]
+        return [up, expected, decisions, serving, *extra, *merged.values()]
 
     async def close(self) -> None:
         for t in self._pumps:

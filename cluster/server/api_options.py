@@ -12,6 +12,10 @@ class ApiOptions:
     # Usage reports the prompt tokens served from the prefix cache (HTTP prompt_tokens_details.cached_tokens, gRPC
     # cached_prompt_tokens). Off by default, as vLLM: it tells one tenant what another has cached.
     prompt_tokens_details: bool = False
+    # Chat tool calling: with tool_choice "auto" the model's text is parsed for calls by this parser (vLLM's names,
+    # see openai/tool_parsers); without it "auto" is refused, as vLLM does.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 def api_keys(api_key: str | None) -> list[str]:

@@ -11,7 +11,7 @@ from pagedserve.cluster.server.grpc_api.server import GrpcServer
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.cluster.server.openai.server import HttpServer
 from pagedserve.cluster.server.state import ModelInfo, ServingState
-from pagedserve.engine.protocol import EngineClient
+from pagedserve.engine.protocol import EngineClient, ReplicaScaler
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ class Gateway:
         if self.http is not None:
             await self.http.start()
 
-    async def set_ready(self, engine: EngineClient, model: ModelInfo) -> None:
+    async def set_ready(self, engine: EngineClient, model: ModelInfo, scaler: ReplicaScaler | None = None) -> None:
+        """``scaler``: what the admin route that changes the number of replicas calls (None: it answers 400)."""
+        self.state.scaler = scaler
         await self.metrics.engines.start(engine)  # the engines' series for /metrics, refreshed from now on
         await self.state.set_ready(engine, model)
 

@@ -12,7 +12,7 @@ from pagedserve.cluster.server.api_options import ApiOptions
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.cluster.server.request_owners import RequestOwners
 from pagedserve.engine.core_types import EngineInfo
-from pagedserve.engine.protocol import EngineClient
+from pagedserve.engine.protocol import EngineClient, ReplicaScaler
 from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class ServingState:
         self.max_concurrent_requests = max_concurrent_requests
         self.engine: EngineClient | None = None  # set once the replicas are up
         self.model: ModelInfo | None = None
+        self.scaler: ReplicaScaler | None = None  # changes the number of replicas (where this process owns them)
         self.draining = False
         self.in_flight = 0
         self.idle = asyncio.Event()

@@ -55,8 +55,8 @@ class Cluster:
 def cluster(ray_cluster, llama_dir):
     port, http_port, metrics_port = free_port(), free_port(), free_port()
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
-    proc = subprocess.Popen(PS + ["serve", "--model", llama_dir, "--host", "127.0.0.1", "--port", str(port),
-                                  "--http-port", str(http_port), "--metrics-port", str(metrics_port),
+    proc = subprocess.Popen(PS + ["serve", "--model", llama_dir, "--host", "127.0.0.1", "--grpc-port", str(port),
+                                  "--port", str(http_port), "--metrics-port", str(metrics_port),
                                   "--served-model-name", MODEL, "--api-server-count", "2", "--drain-timeout", "10"],
                             env=env, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
@@ -182,8 +182,8 @@ def test_sigkilled_gateway_ends_only_its_streams_and_is_restarted(cluster, expec
 def test_gateway_command_attaches_to_the_running_replicas(cluster, expected, ray_cluster, llama_dir):
     port = free_port()
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
-    proc = subprocess.Popen(PS + ["gateway", "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-                                  "--http-port", "0", "--metrics-port", "0"],
+    proc = subprocess.Popen(PS + ["gateway", "--served-model-name", MODEL, "--host", "127.0.0.1",
+                                  "--grpc-port", str(port), "--port", "0", "--metrics-port", "0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         with Client(f"127.0.0.1:{port}", timeout=30) as c:

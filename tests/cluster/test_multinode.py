@@ -24,7 +24,8 @@ def main(model_dir: str) -> None:
     cluster.add_node(num_cpus=3)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    srv = ServerThread(EngineArgs(model=model_dir, tensor_parallel_size=2, seed=0), data_parallel_size=2).start()
+    srv = ServerThread(EngineArgs(model=model_dir, tensor_parallel_size=2, seed=0), data_parallel_size=2,
+                       allow_unauthenticated_ray=True).start()  # a simulated cluster: token auth off
     try:
         async def send():
             async with AsyncClient(srv.target) as c:
@@ -97,7 +98,8 @@ def policies(model_dir: str) -> None:
     try:
         for policy in ("prefix-aware", "round-robin", "least-loaded"):
             srv = ServerThread(EngineArgs(model=model_dir, seed=0, max_model_len=256), data_parallel_size=2,
-                               http_port=free_port(), routing_policy=policy).start(timeout=240)
+                               http_port=free_port(), routing_policy=policy,
+                               allow_unauthenticated_ray=True).start(timeout=240)
             try:
                 report[policy] = _policy_report(srv)
             finally:

@@ -47,8 +47,8 @@ def served(ray_cluster, llama_dir, tls_files, tmp_path_factory):
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            PS + ["serve", "--model", llama_dir, "--host", "127.0.0.1", "--port", str(free_port()),
-                  "--http-port", str(http_port), "--metrics-port", "0", "--api-key", KEY,
+            PS + ["serve", "--model", llama_dir, "--host", "127.0.0.1", "--grpc-port", str(free_port()),
+                  "--port", str(http_port), "--metrics-port", "0", "--api-key", KEY,
                   "--api-key-file", str(key_file), "--ssl-certfile", cert,
                   "--ssl-keyfile", key, "--max-num-seqs", "1", "--max-waiting-requests", "1", "--drain-timeout", "60"],
             env=env, stdout=out, stderr=subprocess.STDOUT)

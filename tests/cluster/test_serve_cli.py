@@ -2,13 +2,17 @@
 drain (health NOT_SERVING, new requests refused, the running one finishes, actors released, exit 0)."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 
 import grpc
+import psutil
 import pytest
 
 from pagedserve import LLM, SamplingParams
@@ -28,8 +32,8 @@ def _wait_health(client: Client, want: str, proc: subprocess.Popen, timeout: flo
 def test_serve_process_client_cli_and_sigterm_drain(ray_cluster, llama_dir):
     port = free_port()
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
-    proc = subprocess.Popen(PS + ["serve", "--model", llama_dir, "--host", "127.0.0.1", "--port", str(port),
-                                  "--http-port", str(free_port()), "--drain-timeout", "60"],
+    proc = subprocess.Popen(PS + ["serve", llama_dir, "--host", "127.0.0.1", "--grpc-port", str(port),
+                                  "--port", str(free_port()), "--drain-timeout", "60"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     target = f"127.0.0.1:{port}"
     try:
@@ -77,3 +81,44 @@ def test_demo_command_on_the_bundled_model(ray_cluster):
         assert f"[{i}] " in proc.stdout
     assert "[4 requests, 96 tokens in" in proc.stdout and "shut down cleanly" in proc.stdout
     assert "def __init__(self" in proc.stdout
+
+
+def _non_loopback_ipv4() -> str | None:
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return None
+
+
+def test_serve_refuses_a_ray_cluster_exposed_without_authentication(llama_dir, tmp_path):
+    """A head on a non-loopback address with token auth off: `serve` exits 2 naming the fix, before placing
+    anything (a loopback head, as in every other test, is allowed)."""
+    ip = _non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 address on this machine")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    bin_dir = os.path.dirname(sys.executable)
+    gcs_port = free_port()
+    ports = [f"--{name}={free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                       "metrics-export-port", "runtime-env-agent-port",
+                                                       "ray-client-server-port", "node-manager-port",
+                                                       "object-manager-port")]
+    temp_dir = tempfile.mkdtemp(prefix="ra", dir="/tmp")  # short: Ray's socket paths have a length limit
+    head = subprocess.Popen([os.path.join(bin_dir, "ray"), "start", "--head", f"--node-ip-address={ip}",
+                             f"--port={gcs_port}", *ports, "--num-cpus=1", "--include-dashboard=false", "--block",
+                             "--disable-usage-stats", f"--temp-dir={temp_dir}"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        proc = subprocess.run(PS + ["serve", llama_dir, "--ray-address", f"{ip}:{gcs_port}", "--port", "0",
+                                    "--grpc-port", "0", "--metrics-port", "0"],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert "token authentication off" in proc.stderr and "--allow-unauthenticated-ray" in proc.stderr
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)

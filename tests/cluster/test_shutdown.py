@@ -32,7 +32,7 @@ def test_signal_drains_and_leaves_nothing(llama_dir, target, sig):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray, as a plain `serve` has
     # Its own session and process group, as a terminal or a supervisor gives a service; the test is not in it.
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--model", llama_dir, "--host", "127.0.0.1",
-                             "--port", str(port), "--http-port", str(free_port()), "--metrics-port", "0",
+                             "--grpc-port", str(port), "--port", str(free_port()), "--metrics-port", "0",
                              "--drain-timeout", str(DRAIN_TIMEOUT)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -12,7 +12,8 @@ import math
 import pytest
 
 from pagedserve import __version__
-from pagedserve.cluster.entrypoints.serve import ServeOptions, add_arguments
+from pagedserve.cluster.entrypoints.serve import ServeOptions, add_arguments, run
+from pagedserve.cluster.runtime.ray_auth import unauthenticated_exposure
 from pagedserve.cluster.server.api_options import ApiOptions, api_keys, exposure_warning
 from pagedserve.cluster.server.openai.chat_template import ChatTemplate, load_chat_template
 from pagedserve.cluster.server.openai.errors import OpenAIError
@@ -74,10 +75,30 @@ def test_serve_flags():
     p = argparse.ArgumentParser()
     add_arguments(p)
     ns = p.parse_args([])
-    assert ns.http_port == 8000 and ns.port == 50051 and ns.chat_template is None
-    ns = p.parse_args(["--http-port", "0", "--chat-template", "t.jinja"])
-    assert ns.http_port == 0 and ns.chat_template == "t.jinja"
+    assert ns.http_port == 8000 and ns.grpc_port == 50051 and ns.chat_template is None  # as `vllm serve`
+    ns = p.parse_args(["--port", "0", "--grpc-port", "6000", "--chat-template", "t.jinja"])
+    assert ns.http_port == 0 and ns.grpc_port == 6000 and ns.chat_template == "t.jinja"
+    with pytest.raises(SystemExit):  # gone: --port is the HTTP port now
+        p.parse_args(["--http-port", "8000"])
     assert ServeOptions().http_port == 0  # code that builds its own options opts in
+
+
+def test_serve_takes_the_model_positionally():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    ns = p.parse_args(["/models/x", "--kv-cache-memory-bytes", "1000"])
+    assert ns.model_tag == "/models/x" and ns.kv_cache_memory == 1000  # vLLM's flag name
+    ns = p.parse_args(["/models/x", "--model", "/models/y"])
+    with pytest.raises(ValueError, match="two models given"):
+        run(ns)
+
+
+def test_unauthenticated_ray_exposure():
+    assert unauthenticated_exposure("10.0.0.5:6379", token_auth=True) is None
+    assert unauthenticated_exposure("127.0.0.1:6379", token_auth=False) is None
+    assert unauthenticated_exposure("[::1]:6379", token_auth=False) is None
+    for exposed in ("10.0.0.5:6379", "ray-head-svc:6379", "[fd00::2]:6379"):
+        assert "--allow-unauthenticated-ray" in unauthenticated_exposure(exposed, token_auth=False)
 
 
 def test_api_keys_from_flags_and_a_file(tmp_path, monkeypatch):

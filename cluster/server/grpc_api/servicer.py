@@ -137,7 +137,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return pb.GetModelInfoResponse(
             model_name=m.name, architecture=info.architecture, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size, tensor_parallel_size=info.tensor_parallel_size,
-            data_parallel_size=m.data_parallel_size, block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
+            data_parallel_size=engine.num_replicas, block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
             num_free_kv_blocks=free, kv_cache_usage=1.0 - free / total if total else 0.0,
             num_running_requests=sum(s.num_running for s in stats),
             num_waiting_requests=sum(s.num_waiting for s in stats),

@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from pagedserve import __version__
 from pagedserve.cluster.server.api_options import ApiOptions, api_keys
+from pagedserve.cluster.server.openai.admin import add_admin_routes
 from pagedserve.cluster.server.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedserve.cluster.server.openai.chat_template import ChatTemplate
 from pagedserve.cluster.server.openai.completion_protocol import CompletionRequest, CompletionResponse
@@ -212,6 +213,7 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
 
         return await asyncio.to_thread(run) if len(body.tokens) > INLINE_DETOKENIZE_IDS else run()
 
+    add_admin_routes(app, state, deps, auth)
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
