@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -87,6 +87,17 @@ class RequestLimits:
     max_prompt_bytes: int  # a text prompt's UTF-8 size, checked before it is tokenized
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Grammar compiles for structured output: ``cache_size`` compiled grammars kept (least recently used out
+    first); a grammar that takes longer than ``compile_timeout`` seconds ends its request with an error; beyond
+    ``max_pending_compiles`` compiles queued or running, a request that needs another is refused."""
+
+    cache_size: int = 256
+    compile_timeout: float = 10.0
+    max_pending_compiles: int = 64
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -98,4 +109,5 @@ class EngineConfig:
     attention_backend: str
     request_limits: RequestLimits
     speculative_config: SpeculativeConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 

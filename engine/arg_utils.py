@@ -16,6 +16,7 @@ from pagedserve.config import (
     RequestLimits,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
     default_model_dir,
 )
 from pagedserve.engine.model_config import check_tensor_parallel, load_model_config
@@ -65,6 +66,12 @@ class EngineArgs:
     max_logprobs: int = _arg(20, "most logprobs / prompt_logprobs a request may ask for")
     max_prompt_bytes: int | None = _arg(None, f"largest text prompt in UTF-8 bytes (default: {PROMPT_BYTES_PER_TOKEN} "
                                               "x max_model_len)")
+    structured_outputs_cache_size: int = _arg(256, "compiled grammars kept for structured output (least recently "
+                                                   "used out first)")
+    structured_outputs_compile_timeout: float = _arg(10.0, "seconds a grammar may take to compile; a request whose "
+                                                           "grammar takes longer ends with an error")
+    structured_outputs_max_pending_compiles: int = _arg(64, "grammar compiles queued or running at most; beyond, a "
+                                                            "request needing another is refused (retry later)")
     speculative_config: dict | None = _arg(  # noqa: RUF009 (_arg returns a dataclasses.field, not a shared dict)
         None, 'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 8}')
@@ -104,6 +111,15 @@ class EngineArgs:
         for name in ("max_num_seqs", "tensor_parallel_size", "max_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.structured_outputs_cache_size < 0:
+            raise ValueError(f"structured_outputs_cache_size must be at least 0, got "
+                             f"{self.structured_outputs_cache_size}")
+        if self.structured_outputs_max_pending_compiles < 1:
+            raise ValueError(f"structured_outputs_max_pending_compiles must be at least 1, got "
+                             f"{self.structured_outputs_max_pending_compiles}")
+        if not self.structured_outputs_compile_timeout > 0:
+            raise ValueError(f"structured_outputs_compile_timeout must be positive, got "
+                             f"{self.structured_outputs_compile_timeout}")
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         backend = self.attention_backend or default_backend(device)
@@ -146,7 +162,10 @@ class EngineArgs:
             device=device, seed=self.seed, attention_backend=backend,
             request_limits=RequestLimits(self.max_num_seqs, self.max_logprobs,
                                          self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_len),
-            speculative_config=speculative_config(self.speculative_config))
+            speculative_config=speculative_config(self.speculative_config),
+            structured_outputs_config=StructuredOutputsConfig(
+                self.structured_outputs_cache_size, self.structured_outputs_compile_timeout,
+                self.structured_outputs_max_pending_compiles))
 
 
 # Above this many decoding sequences a step is already wide enough that verifying drafts costs more than it saves

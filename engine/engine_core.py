@@ -30,6 +30,7 @@ _SEED_MASK = (1 << 63) - 1
 WARMUP_ID = "__warmup__"
 MAX_RESUMES = 3  # worker-group failures a request survives (recomputed each time) before it ends with an error
 REPEATED_FAILURES = 2  # the same step failure this many times in a row: the model is probed alone
+GRAMMAR_IDLE_WAIT_S = 0.005  # an idle step's wait for a grammar compile (a new request waits at most this more)
 
 
 def failure_signature(error: BaseException) -> str:
@@ -97,7 +98,8 @@ class EngineCore:
                     cc.num_cpu_blocks)
         mc = config.model_config
         structured = StructuredOutputManager(
-            lambda: guidance_tokenizer(load_tokenizer(mc.tokenizer), mc.vocab_size, mc.eos_token_ids), mc.vocab_size)
+            lambda: guidance_tokenizer(load_tokenizer(mc.tokenizer), mc.vocab_size, mc.eos_token_ids), mc.vocab_size,
+            config.structured_outputs_config)
         self.scheduler = Scheduler(config.scheduler_config, cc, config.speculative_config, structured)
         self.scheduler.overlap_grammar_bitmask = self.executor.in_process
         self._arrivals = itertools.count()
@@ -205,6 +207,8 @@ class EngineCore:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and not (sched.finished_seq_ids or sched.blocks_to_swap_out):
+            # Nothing can run until a grammar compiles: wait a moment for one rather than spin on the compile's CPU.
+            self.scheduler.structured.wait_for_compile(GRAMMAR_IDLE_WAIT_S)
             return []
         num_running = len(self.scheduler.running)
         t1 = time.perf_counter()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo
+from pagedserve.engine.grammar_check import GrammarCheck
 from pagedserve.engine.tokenizer import guidance_tokenizer
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
-from pagedserve.scheduler.structured_output import grammar_error
 
 # Text, token ids, or a dict with "prompt" or "prompt_token_ids" (and optionally "cache_salt"), as in vLLM.
 PromptType = str | list[int] | dict
@@ -22,7 +22,7 @@ class InputProcessor:
     def __init__(self, tokenizer, info: EngineInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
-        self._guidance = None  # llguidance's tokenizer, built on the first constrained request
+        self._grammar_check: GrammarCheck | None = None  # built on the first constrained request
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         """(text, token ids, cache salt) of a prompt given as text, token ids or a dict with either."""
@@ -83,12 +83,13 @@ class InputProcessor:
 
     def _check_structured(self, params: SamplingParams) -> None:
         """Compile-check the constraint here, before anything is allocated: a bad schema or regex is refused with
-        what is wrong with it."""
+        what is wrong with it (when its check is quick: see ``GrammarCheck``)."""
         if self.tokenizer is None:
             raise InvalidRequestError("structured output needs a tokenizer; this engine runs with skip_tokenizer_init")
-        if self._guidance is None:
-            self._guidance = guidance_tokenizer(self.tokenizer, self.info.vocab_size, list(self.info.eos_token_ids))
-        error = grammar_error(params.structured_outputs, self._guidance)
+        if self._grammar_check is None:
+            self._grammar_check = GrammarCheck(
+                guidance_tokenizer(self.tokenizer, self.info.vocab_size, list(self.info.eos_token_ids)))
+        error = self._grammar_check.error(params.structured_outputs)
         if error is not None:
             raise InvalidRequestError(error)
 

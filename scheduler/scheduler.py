@@ -49,7 +49,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._constrained_rows: list[tuple[int, list[int]]] = []  # this step's (seq id, drafts) under a grammar
         self.overlap_grammar_bitmask = False  # set by the engine core when the runner is in this process
-        self._errored: list[tuple[Request, str]] = []  # ended in schedule(), reported by the next update
+        self._errored: list[tuple[Request, str]] = []  # ended by their grammar in schedule(), reported by update
 
     def next_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -203,6 +203,8 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.structured is not None:
+            self._fail_grammars()
         budget = self.config.max_num_batched_tokens
         preempted = False
         spec = self.spec_config
@@ -247,11 +249,6 @@ class Scheduler:
             if self.structured is not None and not self.structured.ready(req.request_id):
                 j += 1
                 continue
-            error = self.structured.error(req.request_id) if self.structured is not None else None
-            if error is not None:
-                self._finish_request(req, RequestStatus.FINISHED_ERROR)
-                self._errored.append((req, error))
-                continue
             if not self._admit(req, budget, out):
                 break
             budget -= self._schedule_request(out, req, self._admit_tokens(req, budget))
@@ -264,6 +261,13 @@ class Scheduler:
         self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
         self._record_stats()
         return out
+
+    def _fail_grammars(self) -> None:
+        """End the waiting requests whose grammar failed to compile or timed out: they hold no KV blocks yet."""
+        for request_id, error in self.structured.failures():
+            req = self.requests[request_id]
+            self._finish_request(req, RequestStatus.FINISHED_ERROR)
+            self._errored.append((req, error))
 
     def _allocate(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         bm = self.block_manager
@@ -456,7 +460,8 @@ class Scheduler:
             output_of(req)
         errored, self._errored = self._errored, []
         return ([self._core_output(req, out) for req, out in touched.values()]
-                + [self._core_output(req, EngineCoreOutput(req.request_id), error) for req, error in errored])
+                + [self._core_output(req, EngineCoreOutput(req.request_id, invalid_request=True), error)
+                   for req, error in errored])
 
     def _accept(self, req: Request, seq: Sequence, drafts: list[int], rows: list[int],
                 result: ModelRunnerOutput) -> list[int]:

@@ -1,11 +1,15 @@
 """Structured output with llguidance: JSON schemas, any JSON object, regular expressions, choices and Lark/GBNF
 grammars become token masks.
 
-Grammars compile on a worker thread, cached by their spec (one compiled matcher per distinct constraint, which every
-sequence that uses it deep-copies), so the engine thread never waits for one: a request stays in the waiting queue
-until its grammar is ready while the others go ahead. Each step the scheduler asks for one batched bitmask, a row
-per sampling row (drafts included: row j allows what may follow the first j drafts), and matchers advance only on
-the tokens a sequence keeps, so nothing needs rolling back when speculation is rejected.
+Grammars compile on a few threads off the engine loop (``GrammarCompiler``), kept in an LRU cache keyed by the
+constraint (one compiled matcher per distinct constraint, which every sequence that uses it deep-copies), so the
+engine thread never waits for one: a request stays in the waiting queue until its grammar is ready while the others
+go ahead (vLLM's WAITING_FOR_FSM). A grammar that fails to compile, or takes longer than the compile timeout, ends
+only its own request, which holds no KV blocks yet; beyond a bound on queued compiles, a request is refused.
+
+Each step the scheduler asks for one batched bitmask, a row per sampling row (drafts included: row j allows what
+may follow the first j drafts), and matchers advance only on the tokens a sequence keeps, so nothing needs rolling
+back when speculation is rejected.
 
 When the model runs in the engine's process the bitmask is filled on a thread while the forward pass runs (as
 vLLM overlaps it with the GPU): llguidance releases the GIL, and the runner waits for it only before sampling.
@@ -14,15 +18,18 @@ Filling it before the step measured slower than overlapping it, even on CPUs who
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
+from pagedserve.config import StructuredOutputsConfig
 from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.scheduler.grammar_compiler import Compile, GrammarCompiler
 
 _ANY_JSON_OBJECT = '{"type": "object"}'
 # Whitespace between JSON tokens, bounded: a small model sampled at temperature 1 otherwise can spend its whole budget
@@ -56,57 +63,73 @@ def grammar_error(so: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer
 
 class StructuredOutputManager:
     """``tokenizer_factory`` builds the llguidance tokenizer (the model's vocabulary and EOS ids); it is called once,
-    on the compile thread, when the first constrained request arrives."""
+    on a compile thread, when the first constrained request arrives."""
 
-    def __init__(self, tokenizer_factory: Callable[[], llguidance.LLTokenizer], vocab_size: int) -> None:
+    def __init__(self, tokenizer_factory: Callable[[], llguidance.LLTokenizer], vocab_size: int,
+                 config: StructuredOutputsConfig | None = None) -> None:
+        config = config if config is not None else StructuredOutputsConfig()
         self._tokenizer_factory = tokenizer_factory
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
         self.vocab_size = vocab_size
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.compiler: GrammarCompiler[llguidance.LLMatcher] = GrammarCompiler(
+            self._compile, cache_size=config.cache_size, max_pending=config.max_pending_compiles,
+            timeout=config.compile_timeout, setup=self._build_tokenizer)
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
         self._executor: llguidance.LLExecutor | None = None
-        self._compiled: dict[str, Future] = {}  # grammar spec -> its compiled (unused) matcher
-        self._pending: dict[str, Future] = {}  # request id -> its grammar
+        self._pending: dict[str, tuple[Compile[llguidance.LLMatcher], str]] = {}  # request id -> its grammar, kind
         self._matchers: dict[int, llguidance.LLMatcher] = {}  # seq id -> its matcher
         self.compile_seconds: list[float] = []  # compile times not yet observed by the metrics
         self.num_constrained_requests = 0
 
-    def _compile(self, spec: str) -> llguidance.LLMatcher:
+    def _build_tokenizer(self) -> None:
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._tokenizer_factory()
+
+    def _compile(self, so: StructuredOutputsParams) -> llguidance.LLMatcher:
         start = time.perf_counter()
-        if self._tokenizer is None:
-            self._tokenizer = self._tokenizer_factory()
-        matcher = llguidance.LLMatcher(self._tokenizer, spec)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar_spec(so))
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
         self.compile_seconds.append(time.perf_counter() - start)
         return matcher
 
     def take_compile_seconds(self) -> list[float]:
-        """Compile times since the last call (appended on the compile thread; list.pop is atomic)."""
+        """Compile times since the last call (appended on the compile threads; list.pop is atomic)."""
         return [self.compile_seconds.pop(0) for _ in range(len(self.compile_seconds))]
 
     def add(self, request_id: str, so: StructuredOutputsParams) -> None:
-        """Start compiling a request's grammar (or reuse the compiled one)."""
-        spec = grammar_spec(so)
-        if spec not in self._compiled:
-            self._compiled[spec] = self._pool.submit(self._compile, spec)
-        self._pending[request_id] = self._compiled[spec]
+        """Start compiling a request's grammar (or reuse the cached compile); raises ``OverloadedError`` when too
+        many compiles are queued already."""
+        compile_, _ = self.compiler.submit(so)
+        self._pending[request_id] = compile_, so.kind
         self.num_constrained_requests += 1
 
     def ready(self, request_id: str) -> bool:
-        future = self._pending.get(request_id)
-        return future is None or future.done()
+        """Whether the request may be scheduled: unconstrained, or its grammar compiled in time."""
+        pending = self._pending.get(request_id)
+        return pending is None or self.compiler.ready(pending[0])
 
-    def error(self, request_id: str) -> str | None:
-        """Why a ready grammar failed to compile (the input processor validates first: a backstop), else None."""
-        future = self._pending.get(request_id)
-        if future is None or not future.done() or future.exception() is None:
-            return None
-        return f"structured output: {future.exception()}"
+    def failures(self) -> list[tuple[str, str]]:
+        """(request id, why) of the waiting requests whose grammar failed to compile or timed out."""
+        failed = []
+        for request_id, (compile_, kind) in self._pending.items():
+            why = self.compiler.failure(compile_)
+            if why is not None:
+                failed.append((request_id, f"structured_outputs.{kind}: {why}"))
+        return failed
+
+    def wait_for_compile(self, timeout: float) -> None:
+        """Until a waiting request's grammar compile ends, at most ``timeout`` seconds; at once when none is
+        compiling."""
+        compiling = [c.future for c, _ in self._pending.values() if not c.future.done()]
+        if compiling:
+            wait(compiling, timeout, return_when=FIRST_COMPLETED)
 
     def start(self, request_id: str, seqs: list[tuple[int, list[int]]]) -> None:
         """Matchers for a request's sequences, (seq id, output tokens so far) each, once its grammar is ready."""
-        prototype = self._pending.pop(request_id).result()
+        prototype = self._pending.pop(request_id)[0].future.result()
         for seq_id, output in seqs:
             matcher = prototype.deep_copy()
             if output:  # a request resumed from another engine: replay what it generated
@@ -162,5 +185,5 @@ class StructuredOutputManager:
         return mask
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.compiler.shutdown()
         self._fill_pool.shutdown(wait=True)
