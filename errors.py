@@ -12,6 +12,10 @@ class InvalidRequestError(PagedServeError, ValueError):
     A ``ValueError`` too, as vLLM raises for bad sampling parameters."""
 
 
+class DuplicateRequestError(InvalidRequestError):
+    """A request id that already runs on this engine (a resume that reached it twice finds it there)."""
+
+
 class OverloadedError(PagedServeError):
     """The server is at a limit it was given (``--max-concurrent-requests`` at the gateway,
     ``--max-waiting-requests`` at a replica): retry later."""

@@ -16,7 +16,7 @@ from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineSt
 from pagedserve.engine.executor import Executor, create_executor
 from pagedserve.engine.gc_heap import freeze_gc_heap
 from pagedserve.engine.tokenizer import guidance_tokenizer, load_tokenizer
-from pagedserve.errors import EngineUnavailableError, InvalidRequestError, WorkerFailedError
+from pagedserve.errors import DuplicateRequestError, EngineUnavailableError, WorkerFailedError
 from pagedserve.outputs import EngineCoreOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.kv_events import KVCacheSnapshot, KVEvent
@@ -129,7 +129,7 @@ class EngineCore:
         if self.failed is not None:
             raise EngineUnavailableError(f"this model replica failed: {self.failed}")
         if request.request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+            raise DuplicateRequestError(f"request id {request.request_id!r} is already running")
         params, resume, ids = request.sampling_params, request.resume, request.prompt_token_ids
         if resume is not None:
             base_seed = resume.seed

@@ -57,7 +57,8 @@ class EngineClient(ABC):
 
     @abstractmethod
     def collect_metrics(self) -> list[Metric]:
-        """The engines' Prometheus metric families, for the server's /metrics (called on the scrape thread)."""
+        """The engines' Prometheus metric families, for the server's /metrics (called off the event loop, into a
+        snapshot that scrapes read)."""
 
 
 class ReplicaScaler(ABC):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import uvloop
 
@@ -70,3 +71,34 @@ class ServerThread:
         self._thread.join(120)
         if self._error is not None:
             raise self._error
+
+
+class HealthWatch:
+    """Polls health in the background; ``seen`` holds the distinct states in order."""
+
+    def __init__(self, srv: ServerThread) -> None:
+        self.seen: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(srv,))
+
+    def _run(self, srv: ServerThread) -> None:
+        with srv.client(timeout=2) as c:
+            while not self._stop.is_set():
+                status = c.health()
+                if not self.seen or self.seen[-1] != status:
+                    self.seen.append(status)
+                time.sleep(0.02)
+
+    def start(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> HealthWatch:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

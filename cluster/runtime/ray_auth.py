@@ -7,11 +7,12 @@ warn on every start.
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 
 import ray
 from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+from pagedserve.cluster.net import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -20,14 +21,8 @@ ALLOW_FLAG = "--allow-unauthenticated-ray"
 
 def unauthenticated_exposure(gcs_address: str, token_auth: bool) -> str | None:
     """What is wrong with serving from the Ray cluster at ``gcs_address`` (host:port), or None."""
-    if token_auth:
+    if token_auth or is_loopback(gcs_address.rsplit(":", 1)[0].strip("[]")):
         return None
-    host = gcs_address.rsplit(":", 1)[0].strip("[]")
-    try:
-        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
-            return None
-    except ValueError:  # a host name: it may resolve to any interface
-        pass
     return (f"the Ray cluster at {gcs_address} has token authentication off, so anyone who can reach it can run code "
             "on every node; start it with RAY_AUTH_MODE=token (KubeRay: authOptions mode token), or pass "
             f"{ALLOW_FLAG} if only trusted hosts can reach it")

@@ -57,7 +57,7 @@ class ReplicaSet(ReplicaScaler):
             current = len(self.replicas)
             if num_replicas > current:
                 for _ in range(num_replicas - current):
-                    await self._add(num_replicas)
+                    await self._add(num_replicas, wait_for_capacity=True)
                 return ScaleResult(len(self.replicas), num_replicas - current, 0, 0)
             if num_replicas < current:
                 victims = await self._least_busy(current - num_replicas)
@@ -94,12 +94,12 @@ class ReplicaSet(ReplicaScaler):
             logger.info("rollout: every replica serves %s", model)
             return ScaleResult(len(self.replicas), len(old), len(old), moved, model)
 
-    async def _add(self, share: int, args: EngineArgs | None = None) -> None:
+    async def _add(self, share: int, args: EngineArgs | None = None, wait_for_capacity: bool = False) -> None:
         index = self._next_index
         self._next_index += 1
         logger.info("placing replica %d", index)
         replica = await asyncio.to_thread(launch_replica, args or self.args, index, share,
-                                          self.max_waiting_requests, self.step_timeout, self.name)
+                                          self.max_waiting_requests, self.step_timeout, self.name, wait_for_capacity)
         self.replicas.append(replica)
         await self.router.add_replica(replica)
 

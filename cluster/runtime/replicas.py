@@ -68,11 +68,13 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
 
 
 def launch_replica(args: EngineArgs, index: int, share: int, max_waiting_requests: int | None = None,
-                   step_timeout: float | None = None, name: str | None = None) -> Replica:
+                   step_timeout: float | None = None, name: str | None = None,
+                   wait_for_capacity: bool = False) -> Replica:
     """One more replica (a scale-out, or a rollout's replacement), warmed up, with a CPU share sized for ``share``
-    replicas; released again if it cannot be placed or fails its warm-up."""
+    replicas; released again if it cannot be placed or fails its warm-up. ``wait_for_capacity``: see
+    ``make_placement_group``."""
     replica = _start_replica(args, args.create_engine_config(), index, share, max_waiting_requests, step_timeout,
-                             name)
+                             name, wait_for_capacity)
     try:
         _warm_up([replica])
     except BaseException:
@@ -82,7 +84,7 @@ def launch_replica(args: EngineArgs, index: int, share: int, max_waiting_request
 
 
 def _start_replica(args: EngineArgs, config, index: int, share: int, max_waiting_requests: int | None,
-                   step_timeout: float | None, name: str | None) -> Replica:
+                   step_timeout: float | None, name: str | None, wait_for_capacity: bool = False) -> Replica:
     """Place replica ``index`` and start its engine-core actor (not yet warmed up); ``share``: how many replicas
     divide the cluster's CPUs."""
     tp = config.parallel_config.tensor_parallel_size
@@ -97,7 +99,8 @@ def _start_replica(args: EngineArgs, config, index: int, share: int, max_waiting
         bundles = [{"CPU": CORE_ACTOR_CPUS}] + [rank_bundle(cpu, gpu)] * tp
         opts = {"num_cpus": CORE_ACTOR_CPUS}
         threads = 1
-    pg = make_placement_group(bundles, f"replica{index}", detached=name is not None)
+    pg = make_placement_group(bundles, f"replica{index}", detached=name is not None,
+                              wait_for_capacity=wait_for_capacity)
     report = check_placement_group(pg, config)  # before the engine loads: fail in seconds, with the fixes
     if not report.ok:
         remove_placement_group(pg)

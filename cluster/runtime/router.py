@@ -31,7 +31,7 @@ from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineSt
 from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import EngineClient
-from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
+from pagedserve.errors import DuplicateRequestError, EngineUnavailableError, InvalidRequestError, OverloadedError
 from pagedserve.outputs import BeamSearchOutput, EngineCoreOutput, EngineHealth, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler.block_manager import prompt_block_hashes
@@ -100,8 +100,9 @@ class _InFlight:
     replica: ReplicaState
     seed: int | None = None  # the engine's base seed, once it took the request
     attempts: int = 0  # engines that died under it
-    resuming: bool = False  # a resume is under way (a second death seen meanwhile joins it)
+    resuming: bool = False  # a resume is under way
     error: str | None = None  # why the engine ended it with an error
+    invalid: bool = False  # and the error is the request's own (a grammar that does not compile): a 400, no retry
     prefill: int = 0  # prompt tokens the router expects its replica to prefill, until the first output
     decode: int = 0  # output tokens it may still generate (estimated, capped)
 
@@ -376,9 +377,12 @@ class ReplicaRouter(EngineClient):
                                "serves again" if item.healthy else f"cannot serve: {item.reason}")
                 await self._set_state(r, ready=item.healthy and not r.retiring)
             else:
+                rec = self._inflight.get(item.request_id)
+                if rec is not None and rec.replica is not r:  # sent before the request moved: stale
+                    continue
                 outputs.append(item)
-                if item.error is not None and (rec := self._inflight.get(item.request_id)) is not None:
-                    rec.error = item.error
+                if item.error is not None and rec is not None:
+                    rec.error, rec.invalid = item.error, item.invalid_request
         for out in self.processor.process(outputs):
             rec = self._inflight.get(out.request_id)
             if rec is not None:
@@ -396,7 +400,7 @@ class ReplicaRouter(EngineClient):
         """Send a request whose engine died to another (or the restarted) one, from where it stood. A target that
         turns out to be dying too (its node lost with the first) counts as one more engine lost: another takes the
         request, or that one once it has come back."""
-        if rec.resuming:  # the target it was moving to died too: the resume under way tries another
+        if rec.resuming:  # the replica it is moving to died: the resume under way sees it and goes on to another
             return
         rec.resuming = True
         try:
@@ -418,32 +422,47 @@ class ReplicaRouter(EngineClient):
             if self._inflight.get(rid) is not rec:  # cancelled or finished meanwhile
                 return
             if target is None and error is None:
-                error = "no model replica came back to resume it; retry the request"
+                states = "; ".join(f"replica {r.index}: {'out' if r.out else 'down' if not r.alive else 'serving'}"
+                                   for r in self.replicas) or "none left"
+                error = f"no model replica came back to resume it ({states}); retry the request"
             if error is not None:
                 rec.queue.put_nowait(EngineUnavailableError(error))
                 return
             state = self.processor.resume_state(rid, rec.seed)
+            generation = target.restarts  # as picked: if it comes back while this try fails, it may be tried again
             self._move(rec, target)
             logger.info("resuming request %s on replica %d (attempt %d)", rid, target.index, rec.attempts)
             try:
                 await target.actor.add_request.remote(self.client_id, dataclasses.replace(rec.request, resume=state))
-                return
+                if target.alive and target.restarts == generation:
+                    return
+                # It died as it took the request (whose outputs, if any, it sends no more: it is not the request's
+                # replica once another takes it). Make sure a restarted one does not run it too.
+                logger.warning("replica %d died taking request %s; trying another", target.index, rid)
+                target.actor.abort.remote([rid])
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 logger.warning("replica %d failed taking request %s (%s); trying another", target.index, rid,
                                type(e).__name__)
-                failed[target.index] = target.restarts
+            except ray.exceptions.RayTaskError as e:
+                if not isinstance(unwrap(e), DuplicateRequestError):  # else an earlier try reached it after all
+                    rec.queue.put_nowait(EngineUnavailableError(
+                        f"model replica {target.index} failed resuming it: {type(unwrap(e)).__name__}"))
+                return
             except ray.exceptions.RayError as e:
                 rec.queue.put_nowait(EngineUnavailableError(
                     f"model replica {target.index} failed resuming it: {type(e).__name__}"))
                 return
+            failed[target.index] = generation
 
     # ---- the EngineClient API ----------------------------------------------------------------------------------
     async def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
                       cache_salt: str | None = None) -> tuple[str | None, EngineCoreRequest]:
         if request_id in self._inflight:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
-        if isinstance(prompt, str) and len(prompt) > INLINE_TOKENIZE_CHARS:
-            # Long prompts are tokenized off the event loop, which streams every other request meanwhile.
+        constrained = isinstance(params, SamplingParams) and params.structured_outputs is not None
+        if constrained or (isinstance(prompt, str) and len(prompt) > INLINE_TOKENIZE_CHARS):
+            # Long prompts are tokenized, and grammars checked, off the event loop, which streams every other
+            # request meanwhile.
             return await asyncio.to_thread(self.input_processor.process, request_id, prompt, params, cache_salt)
         return self.input_processor.process(request_id, prompt, params, cache_salt)
 
@@ -496,6 +515,8 @@ class ReplicaRouter(EngineClient):
                     raise item
                 if isinstance(item, RequestOutput) and any(c.finish_reason == "error" for c in item.outputs):
                     finished = True
+                    if rec.invalid:
+                        raise InvalidRequestError(rec.error)
                     raise EngineUnavailableError(f"{rec.error}; retry the request" if rec.error else
                                                  "the model workers failed under this request repeatedly; retry it")
                 finished = item.finished
@@ -526,7 +547,10 @@ class ReplicaRouter(EngineClient):
         return True
 
     async def get_stats(self) -> list[EngineStats]:
-        return await asyncio.gather(*[r.actor.get_stats.remote() for r in self.replicas if r.alive])
+        """Every live replica's; one that fails to answer (dying, restarting) is left out."""
+        stats = await asyncio.gather(*[r.actor.get_stats.remote() for r in self.replicas if r.alive],
+                                     return_exceptions=True)
+        return [s for s in stats if isinstance(s, EngineStats)]
 
     def collect_metrics(self) -> list[Metric]:
         """Every live replica's metric families, their samples labelled ``replica``, and the workers-up gauges."""

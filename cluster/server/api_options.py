@@ -1,8 +1,9 @@
 """What the gateway's APIs accept and show, from ``serve``'s flags."""
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
+
+from pagedserve.cluster.net import is_loopback
 
 
 @dataclass(frozen=True)
@@ -26,12 +27,7 @@ def api_keys(api_key: str | None) -> list[str]:
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:
     """What to warn about serving on ``host`` without a key: None on loopback or with a key."""
-    if api_keys(api_key):
+    if api_keys(api_key) or is_loopback(host):
         return None
-    try:
-        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
-            return None
-    except ValueError:  # a host name: it may be reachable from elsewhere
-        pass
     return (f"serving on {host} with no API key: anyone who can reach it can use the model and abort requests "
             "(--api-key or --api-key-file)")

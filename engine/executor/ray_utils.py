@@ -40,11 +40,13 @@ def rank_bundle(cpu: float, gpu: bool) -> dict[str, float]:
 
 
 def make_placement_group(bundles: list[dict[str, float]], role: str, detached: bool = False,
-                         timeout: float = PLACEMENT_TIMEOUT_S) -> PlacementGroup:
+                         timeout: float = PLACEMENT_TIMEOUT_S, wait_for_capacity: bool = False) -> PlacementGroup:
     """One engine's resources on one node (a TP group never spans nodes). ``role`` names it, so that an engine
     that cannot be placed can say which others hold the resources. Raises RuntimeError saying why, within
     ``HELD_CHECK_S`` when other placement groups hold what it needs, else after ``timeout`` seconds.
-    ``detached``: it outlives the process that made it (removed with ``remove_placement_group``)."""
+    ``detached``: it outlives the process that made it (removed with ``remove_placement_group``).
+    ``wait_for_capacity``: wait the whole ``timeout`` even when others hold the resources (a scale-out: the pending
+    group is what makes a Ray autoscaler add a node)."""
     name = f"pagedserve-{role}-pid{os.getpid()}-{next(_names)}"
     pg = placement_group(bundles, strategy="STRICT_PACK", name=name, lifetime="detached" if detached else None)
     start = time.monotonic()
@@ -54,7 +56,7 @@ def make_placement_group(bundles: list[dict[str, float]], role: str, detached: b
             return pg
         except ray.exceptions.GetTimeoutError:
             waited = time.monotonic() - start
-            why = _unplaceable(bundles, name) if waited > HELD_CHECK_S else None
+            why = _unplaceable(bundles, name) if waited > HELD_CHECK_S and not wait_for_capacity else None
             if why is None and waited > timeout:
                 why = _not_placed(bundles, name, timeout)
             if why is not None:

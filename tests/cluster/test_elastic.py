@@ -10,6 +10,7 @@ import sys
 
 import httpx2
 import pytest
+import ray._private.state as ray_state
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.client import AsyncClient
@@ -59,8 +60,14 @@ def _created_pgs(ray_cluster) -> int:
     return sum(pg["state"] == "CREATED" for pg in ray_cluster.util.placement_group_table().values())
 
 
+def _live_engines() -> int:
+    """Engine-core actors not dead (alive, restarting or being created), from the GCS's actor table."""
+    return sum("EngineCoreActor" in a.get("ActorClassName", "") and a.get("State") != "DEAD"
+               for a in ray_state.actors().values())
+
+
 def test_scale_out_and_in_under_load(ray_cluster, model_dir, expected):
-    pgs_before = _created_pgs(ray_cluster)
+    pgs_before, engines_before = _created_pgs(ray_cluster), _live_engines()
     srv = ServerThread(EngineArgs(model=model_dir, seed=0), data_parallel_size=2, http_port=free_port(),
                        drain_timeout=30.0).start()
     try:
@@ -74,9 +81,11 @@ def test_scale_out_and_in_under_load(ray_cluster, model_dir, expected):
         assert (scale_in["removed"], scale_in["num_replicas"]) == (2, 1)
         assert scale_in["moved_requests"] > 0  # drain_timeout 0: streams moved mid-way, and still came out exact
         assert back["num_replicas"] == 2
+        assert _live_engines() == engines_before + 2  # the removed replicas' actors are gone, not only unrouted
     finally:
         srv.stop()
     assert _created_pgs(ray_cluster) == pgs_before  # each removed replica's placement group was released
+    assert _live_engines() == engines_before
 
 
 async def _scale_under_load(srv: ServerThread) -> tuple[list[tuple[int, list[int], str]], list[dict]]:

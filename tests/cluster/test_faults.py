@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import psutil
@@ -16,7 +15,7 @@ import ray
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.tests.server_thread import ServerThread
+from pagedserve.tests.server_thread import HealthWatch, ServerThread
 
 STEP_TIMEOUT = 4.0
 MAX_TOKENS = 100
@@ -38,31 +37,6 @@ def server(ray_cluster, model_dir):
     srv = ServerThread(EngineArgs(model=model_dir, tensor_parallel_size=2, seed=0), step_timeout=STEP_TIMEOUT).start()
     yield srv
     srv.stop()
-
-
-class HealthWatch:
-    """Polls health in the background; ``seen`` holds the distinct states in order."""
-
-    def __init__(self, srv: ServerThread) -> None:
-        self.seen: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(srv,))
-
-    def _run(self, srv: ServerThread) -> None:
-        with srv.client(timeout=2) as c:
-            while not self._stop.is_set():
-                status = c.health()
-                if not self.seen or self.seen[-1] != status:
-                    self.seen.append(status)
-                time.sleep(0.02)
-
-    def __enter__(self) -> HealthWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _stream_through(srv: ServerThread, fault) -> list[int]:

@@ -2,7 +2,10 @@
 (``ray.cluster_utils.Cluster``), 48 streams running, the node of one replica removed. Every stream completes with
 exactly its greedy tokens (those on the lost replica resume on the other), health stays SERVING throughout since
 the other replica serves, and once a node joins again the lost replica is placed there and serves again.
-Then a scale-in that loses the node of the replica it keeps: the moved streams still complete exactly.
+Then a scale-in that loses the node of the replica it keeps: the moved streams still complete exactly. A scale-out
+beyond the cluster's room waits for the node that joins (as a Ray autoscaler would add one). Last, a rollout to new
+weights that loses the node of a replica it has not replaced yet: every stream completes (one moved mid-way to a new
+replica mixes the two models' tokens, as it must) and afterwards every request answers from the new weights.
 Runs in a subprocess: it needs a Ray cluster of its own, apart from the session's."""
 from __future__ import annotations
 
@@ -10,13 +13,14 @@ import json
 import subprocess
 import sys
 
+from pagedserve.tests.utils import make_model
+
 STREAMS = 48
 MAX_TOKENS = 48
 
 
-def main(model_dir: str) -> None:
+def main(model_dir: str, new_dir: str) -> None:
     import asyncio
-    import threading
     import time
 
     import httpx2
@@ -26,7 +30,7 @@ def main(model_dir: str) -> None:
     from pagedserve import LLM, SamplingParams
     from pagedserve.cluster.client import AsyncClient
     from pagedserve.engine.arg_utils import EngineArgs
-    from pagedserve.tests.server_thread import ServerThread, free_port
+    from pagedserve.tests.server_thread import HealthWatch, ServerThread, free_port
 
     prompts = [[5 + i, 17, 23 + 3 * i, 9] for i in range(STREAMS)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -39,20 +43,8 @@ def main(model_dir: str) -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     srv = ServerThread(EngineArgs(model=model_dir, seed=0), data_parallel_size=2, http_port=free_port(),
                        allow_unauthenticated_ray=True).start(240)  # a simulated cluster: token auth off
-    health: list[str] = []
-    watching = threading.Event()
-    watching.set()
-
-    def watch() -> None:
-        with srv.client(timeout=2) as c:
-            while watching.is_set():
-                status = c.health()
-                if not health or health[-1] != status:
-                    health.append(status)
-                time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
+    watch = HealthWatch(srv).start()
+    health = watch.seen
     report: dict = {}
     try:
         async def streams(fault) -> list[list[int]]:
@@ -107,28 +99,71 @@ def main(model_dir: str) -> None:
         nodes.append(cluster.add_node(num_cpus=1))  # room for the kept replica to come back
         got = asyncio.run(streams(scale_in_losing_the_kept_node))
         report["scale_in_exact"] = sum(g == e for g, e in zip(got, expected))
-        report["health"] = list(health)
+
+        async def scale_out_waiting_for_a_node() -> None:
+            """One replica and one free node: a scale-out to 3 waits for the node a Ray autoscaler would add."""
+            async with httpx2.AsyncClient(base_url=srv.http_url, timeout=300) as http:
+                scale = asyncio.create_task(http.post("/scale_elastic_ep", json={"new_data_parallel_size": 3}))
+                await asyncio.sleep(8)  # past the quick check for resources other groups hold
+                report["scale_out_pending"] = not scale.done()
+                nodes.append(cluster.add_node(num_cpus=1))  # main thread: it sets signal handlers
+                report["scale_out_status"] = (await scale).status_code
+
+        asyncio.run(scale_out_waiting_for_a_node())
+        with srv.client() as c:
+            report["replicas_after_scale_out"] = c.model_info().data_parallel_size
+
+        async def rollout_losing_a_node() -> None:
+            """A rollout to new weights (no room to surge: each old replica drained, then replaced in place) that
+            loses the node of an old replica it has not reached yet."""
+            states = srv.gateway.state.engine.replicas
+            old = {r.index for r in states}
+            async with httpx2.AsyncClient(base_url=srv.http_url, timeout=600) as http:
+                rollout = asyncio.create_task(http.post("/rollout", json={"model": new_dir, "drain_timeout": 5}))
+                while not any(r.retiring for r in states):
+                    await asyncio.sleep(0.02)
+                other = next(r for r in states if not r.retiring and r.index in old).replica
+                await asyncio.to_thread(cluster.remove_node, next(n for n in nodes if n.node_id == node_of(other)))
+                nodes.append(cluster.add_node(num_cpus=1))  # main thread: it sets signal handlers
+                response = await rollout
+                report["rollout_status"] = response.status_code
+                report["rollout_replicas"] = response.json().get("num_replicas")
+
+        got = asyncio.run(streams(rollout_losing_a_node))
+        report["rollout_complete"] = sum(len(g) == MAX_TOKENS for g in got)
+        new = [o.outputs[0].token_ids for o in LLM(new_dir, seed=0).generate(
+            [{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)]
+        with srv.client() as c:
+            report["answers_from_new_weights"] = [
+                list(c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True).completions[0].token_ids)
+                for p in prompts[:4]] == new
     finally:
-        watching.clear()
-        watcher.join()
+        report["health"] = list(health)
+        watch.stop()
         srv.stop()
         ray.shutdown()
         cluster.shutdown()
     print("REPORT " + json.dumps(report))
 
 
-def test_a_lost_node_under_load(model_factory):
+def test_a_lost_node_under_load(model_factory, tokenizer_dir, tmp_path):
     model_dir = model_factory("gpt2")
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.tests.cluster.test_lost_node", model_dir],
-                          capture_output=True, text=True, timeout=600)
+    new_dir = make_model(str(tmp_path / "v2"), "gpt2", seed=1, tokenizer_dir=tokenizer_dir)
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.tests.cluster.test_lost_node", model_dir, new_dir],
+                          capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     report = json.loads(lines[-1][len("REPORT "):])
+    print("lost node:", report)
     assert report["lost_node_exact"] == STREAMS, report
     assert report["health_during_loss"] == ["SERVING"], report  # never NOT_SERVING while one replica serves
     assert report["replicas_after_rejoin"] == 2 and report["replaced_after_s"] < 120, report
     assert report["scale_in_status"] == 200 and report["scale_in_exact"] == STREAMS, report
+    assert report["scale_out_pending"] and report["scale_out_status"] == 200, report
+    assert report["replicas_after_scale_out"] == 3, report
+    assert report["rollout_status"] == 200 and report["rollout_replicas"] == 3, report
+    assert report["rollout_complete"] == STREAMS and report["answers_from_new_weights"], report
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import FastAPI
@@ -12,6 +13,7 @@ from pydantic import BaseModel, Field
 from pagedserve.cluster.server.openai.errors import OpenAIError
 from pagedserve.cluster.server.openai.protocol import RequestModel, error_statuses
 from pagedserve.cluster.server.state import ServingState
+from pagedserve.engine.core_types import ScaleResult
 from pagedserve.engine.protocol import ReplicaScaler
 from pagedserve.errors import EngineUnavailableError, InvalidRequestError
 
@@ -51,31 +53,30 @@ def _scaler(state: ServingState) -> ReplicaScaler:
     return state.scaler
 
 
+async def _change(change: Awaitable[ScaleResult], param: str, stopped: str) -> ScaleResult:
+    """Run a change of the replicas to its end, shielded: a client that hangs up must not leave a replica half
+    drained."""
+    try:
+        return await asyncio.shield(asyncio.ensure_future(change))
+    except InvalidRequestError as e:
+        raise OpenAIError(400, str(e), param) from None
+    # A replica that cannot be placed, fails its preflight (ValueError) or its warm-up.
+    except (EngineUnavailableError, RuntimeError, ValueError) as e:
+        raise OpenAIError(503, f"{stopped}: {e}") from None
+
+
 def add_admin_routes(app: FastAPI, state: ServingState, deps: list[Any], auth: tuple[int, ...]) -> None:
     @app.post("/scale_elastic_ep", dependencies=deps, response_model=ScaleResponse,
               responses=error_statuses(400, *auth, 503))
     async def scale_elastic_ep(body: ScaleRequest) -> ScaleResponse:
-        # Shielded: a client that hangs up must not leave a replica half drained.
-        task = asyncio.ensure_future(_scaler(state).scale_to(body.new_data_parallel_size, body.drain_timeout))
-        try:
-            result = await asyncio.shield(task)
-        except InvalidRequestError as e:
-            raise OpenAIError(400, str(e), "new_data_parallel_size") from None
-        # A replica that cannot be placed, fails its preflight (ValueError) or its warm-up.
-        except (EngineUnavailableError, RuntimeError, ValueError) as e:
-            raise OpenAIError(503, f"scaling stopped: {e}") from None
+        result = await _change(_scaler(state).scale_to(body.new_data_parallel_size, body.drain_timeout),
+                               "new_data_parallel_size", "scaling stopped")
         return ScaleResponse(message=f"scaled to {result.num_replicas} replicas", **dataclasses.asdict(result))
 
     @app.post("/rollout", dependencies=deps, response_model=ScaleResponse, responses=error_statuses(400, *auth, 503))
     async def rollout(body: RolloutRequest) -> ScaleResponse:
-        scaler = _scaler(state)
-        task = asyncio.ensure_future(scaler.rollout(body.model, body.drain_timeout))
-        try:
-            result = await asyncio.shield(task)
-        except InvalidRequestError as e:
-            raise OpenAIError(400, str(e), "model") from None
-        except (EngineUnavailableError, RuntimeError, ValueError) as e:
-            raise OpenAIError(503, f"rollout stopped, the replicas not yet replaced still serve: {e}") from None
+        result = await _change(_scaler(state).rollout(body.model, body.drain_timeout), "model",
+                               "rollout stopped, the replicas not yet replaced still serve")
         return ScaleResponse(message=f"{result.num_replicas} replicas serve {result.model}",
                              **dataclasses.asdict(result))
 
