@@ -510,9 +510,15 @@ class Scheduler:
             if req.sampling_params.logprobs is not None:
                 out.new_logprobs.setdefault(seq.index, []).append(result.logprobs[k])
         status = self.check_stop(req, seq, token, self.config.max_model_len)
-        if self.structured is not None and self.structured.constrained(seq.seq_id) \
-                and self.structured.accept(seq.seq_id, token) and status is None:
-            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
+        if self.structured is not None and self.structured.constrained(seq.seq_id):
+            complete = self.structured.accept(seq.seq_id, token)
+            if (why := self.structured.error(seq.seq_id)) is not None:  # not a complete output: an error
+                self.finish_seq(req, seq, RequestStatus.FINISHED_ERROR)
+                if req.finished:
+                    self._errored.append((req, f"structured_outputs: {why}"))
+                return
+            if complete and status is None:
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
         if status is not None:
             self.finish_seq(req, seq, status)
 

@@ -149,6 +149,11 @@ class StructuredOutputManager:
         matcher.consume_token(token)
         return matcher.is_stopped()
 
+    def error(self, seq_id: int) -> str | None:
+        """Why the sequence's matcher failed (llguidance stops a matcher it cannot go on with), else None."""
+        matcher = self._matchers.get(seq_id)
+        return matcher.get_error() if matcher is not None and matcher.is_error() else None
+
     def free(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)
 

@@ -61,7 +61,7 @@ class ReplicaSet(ReplicaScaler):
                 return ScaleResult(len(self.replicas), num_replicas - current, 0, 0)
             if num_replicas < current:
                 victims = await self._least_busy(current - num_replicas)
-                moved = await asyncio.gather(*[self._remove(r, drain_timeout) for r in victims])
+                moved = await asyncio.gather(*[self._remove(r, drain_timeout, "scaled in") for r in victims])
                 return ScaleResult(len(self.replicas), 0, len(victims), sum(moved))
             return ScaleResult(current, 0, 0, 0)
 
@@ -81,13 +81,13 @@ class ReplicaSet(ReplicaScaler):
                             len(old), model)
                 try:  # surge: the new one first, where the cluster has room for it
                     await self._add(len(self.replicas) + 1, new_args)
-                    moved += await self._remove(r, drain_timeout)
+                    moved += await self._remove(r, drain_timeout, "replaced by a rollout")
                 except RuntimeError as e:  # no room for one more: drain this one, then put the new one in its place
                     logger.info("rollout: no room to surge (%s); replacing in place", e)
-                    moved += await self._remove(r, drain_timeout)
+                    moved += await self._remove(r, drain_timeout, "replaced by a rollout")
                     try:
                         await self._add(len(self.replicas) + 1, new_args)
-                    except (EngineUnavailableError, RuntimeError):
+                    except (EngineUnavailableError, RuntimeError, ValueError):  # ValueError: its preflight
                         await self._add(len(self.replicas) + 1, self.args)  # put the old model back in its place
                         raise
             self.args = new_args
@@ -114,27 +114,27 @@ class ReplicaSet(ReplicaScaler):
         order = sorted(range(len(self.replicas)), key=lambda i: (counts[i], -self.replicas[i].index))
         return [self.replicas[i] for i in order[:n]]
 
-    async def _remove(self, r: Replica, drain_timeout: float | None) -> int:
+    async def _remove(self, r: Replica, drain_timeout: float | None, reason: str) -> int:
         """Drain, move what is left, release; returns the requests moved."""
         timeout = self.drain_timeout if drain_timeout is None else drain_timeout
         self.replicas.remove(r)
         moved = 0
         try:
-            await r.actor.begin_drain.remote("scaled in")
-            logger.info("scale-in: replica %d draining (up to %.0f s)", r.index, timeout)
+            await r.actor.begin_drain.remote(reason)
+            logger.info("replica %d draining, %s (up to %.0f s)", r.index, reason, timeout)
             deadline = asyncio.get_running_loop().time() + timeout
             while await r.actor.num_owned_requests.remote() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(DRAIN_POLL_S)
             moved = await r.actor.migrate_out.remote()
             if moved:
-                logger.info("scale-in: moving %d request(s) off replica %d", moved, r.index)
+                logger.info("moving %d request(s) off replica %d", moved, r.index)
             # The gateways abort their requests there as their streams end; wait for that before the actor goes.
             while await r.actor.num_owned_requests.remote() and asyncio.get_running_loop().time() < deadline + 10:
                 await asyncio.sleep(DRAIN_POLL_S)
         except ray.exceptions.RayError as e:  # it died meanwhile: the gateways resume its requests anyway
-            logger.warning("scale-in: replica %d failed while draining: %s", r.index, e)
+            logger.warning("replica %d failed while draining: %s", r.index, e)
         await asyncio.to_thread(shutdown_replicas, [r])
-        logger.info("scale-in: replica %d released", r.index)
+        logger.info("replica %d released", r.index)
         return moved
 
     async def shutdown(self) -> None:

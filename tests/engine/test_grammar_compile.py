@@ -165,3 +165,19 @@ def test_large_constraints_are_checked_on_threads_and_the_engine_backs_the_check
     final = _run(engine)["bad"]
     assert final.invalid_request and final.error.startswith("structured_outputs.json: the grammar does not compile")
     assert_all_blocks_free(engine)
+
+
+def test_a_matcher_that_fails_mid_generation_ends_its_request_with_the_error(engine):
+    """3000 optional properties compile, but llguidance cannot go on after the first token (a lexer row of more
+    than 2000 items): the request ends with that error, not as a complete output cut short."""
+    n = 3000
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+    engine.add_request("wide", [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        json=schema)))
+    engine.add_request("plain", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
+    final = _run(engine)
+    wide = final["wide"]
+    assert wide.finish_reasons[0][0] == "error" and wide.invalid_request, wide
+    assert wide.error.startswith("structured_outputs: "), wide.error
+    assert final["plain"].error is None
+    assert_all_blocks_free(engine)
