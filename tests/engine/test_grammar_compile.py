@@ -102,7 +102,8 @@ def test_compile_timeout_ends_only_its_request(llama_dir):
     try:
         engine.add_request("plain", [5, 6, 7], SamplingParams(max_tokens=16, ignore_eos=True))
         engine.add_request("quick", [5, 6, 9], SamplingParams(max_tokens=8, structured_outputs=QUICK))
-        engine.add_request("slow", [5, 6, 8], SamplingParams(max_tokens=8, structured_outputs=_slow(2000)))
+        # 8000 ranged integers: over a second to compile on a quiet machine (2000 took under 0.25 s on one).
+        engine.add_request("slow", [5, 6, 8], SamplingParams(max_tokens=8, structured_outputs=_slow(8000)))
         final = _run(engine)
         assert final["slow"].error == ("structured_outputs.json: the grammar did not compile within 0.25 s "
                                        "(structured_outputs_compile_timeout)")
@@ -112,7 +113,7 @@ def test_compile_timeout_ends_only_its_request(llama_dir):
         assert_all_blocks_free(engine)
         # The same grammar again fails from the cache at once, without taking a compile thread again.
         compiles = _compiler(engine).num_compiles
-        engine.add_request("slow2", [5, 6, 8], SamplingParams(max_tokens=8, structured_outputs=_slow(2000)))
+        engine.add_request("slow2", [5, 6, 8], SamplingParams(max_tokens=8, structured_outputs=_slow(8000)))
         assert "did not compile within" in _run(engine)["slow2"].error
         assert _compiler(engine).num_compiles == compiles
         assert_all_blocks_free(engine)
