@@ -56,14 +56,15 @@ def _gauge(metrics_text: str, name: str) -> float:
     return value
 
 
-def _created_pgs(ray_cluster) -> int:
-    return sum(pg["state"] == "CREATED" for pg in ray_cluster.util.placement_group_table().values())
+def _created_pgs(ray_cluster) -> set[str]:
+    """Placement groups placed now (ids: other tests' may go away meanwhile, so compare sets, not counts)."""
+    return {pg_id for pg_id, pg in ray_cluster.util.placement_group_table().items() if pg["state"] == "CREATED"}
 
 
-def _live_engines() -> int:
+def _live_engines() -> set[str]:
     """Engine-core actors not dead (alive, restarting or being created), from the GCS's actor table."""
-    return sum("EngineCoreActor" in a.get("ActorClassName", "") and a.get("State") != "DEAD"
-               for a in ray_state.actors().values())
+    return {actor_id for actor_id, a in ray_state.actors().items()
+            if "EngineCoreActor" in a.get("ActorClassName", "") and a.get("State") != "DEAD"}
 
 
 def test_scale_out_and_in_under_load(ray_cluster, model_dir, expected):
@@ -81,11 +82,11 @@ def test_scale_out_and_in_under_load(ray_cluster, model_dir, expected):
         assert (scale_in["removed"], scale_in["num_replicas"]) == (2, 1)
         assert scale_in["moved_requests"] > 0  # drain_timeout 0: streams moved mid-way, and still came out exact
         assert back["num_replicas"] == 2
-        assert _live_engines() == engines_before + 2  # the removed replicas' actors are gone, not only unrouted
+        assert len(_live_engines() - engines_before) == 2  # the removed replicas' actors are gone, not only unrouted
     finally:
         srv.stop()
-    assert _created_pgs(ray_cluster) == pgs_before  # each removed replica's placement group was released
-    assert _live_engines() == engines_before
+    assert _created_pgs(ray_cluster) <= pgs_before  # each removed replica's placement group was released
+    assert _live_engines() <= engines_before
 
 
 async def _scale_under_load(srv: ServerThread) -> tuple[list[tuple[int, list[int], str]], list[dict]]:
@@ -161,7 +162,7 @@ def test_autoscaler_scales_out_under_a_burst_and_back_in_when_idle(ray_cluster, 
         asyncio.run(_burst_then_idle(srv))
     finally:
         srv.stop()
-    assert _created_pgs(ray_cluster) == pgs_before
+    assert _created_pgs(ray_cluster) <= pgs_before
 
 
 async def _burst_then_idle(srv: ServerThread) -> None:
@@ -212,7 +213,7 @@ def test_rollout_to_new_weights_under_load(ray_cluster, model_dir, tokenizer_dir
         asyncio.run(_rollout_under_load(srv, new_dir, before, after))
     finally:
         srv.stop()
-    assert _created_pgs(ray_cluster) == pgs_before
+    assert _created_pgs(ray_cluster) <= pgs_before
 
 
 async def _rollout_under_load(srv: ServerThread, new_dir: str, before: list[list[int]],
@@ -271,4 +272,4 @@ def test_a_rollout_whose_replica_cannot_start_leaves_the_old_ones_serving(ray_cl
                 assert list(out.completions[0].token_ids) == want.outputs[0].token_ids
     finally:
         srv.stop()
-    assert _created_pgs(ray_cluster) == pgs_before
+    assert _created_pgs(ray_cluster) <= pgs_before
