@@ -7,6 +7,7 @@ text that turns out not to be a call stays content. Both read the same calls out
 is split."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from enum import Enum, auto
 
@@ -23,7 +24,7 @@ from pagedserve.cluster.server.openai.tool_parsers.types import (
 _WHITESPACE = " \t\n\r"
 
 
-class ToolParser:
+class ToolParser(ABC):
     """``stream``: announce calls before they are complete (see the module's doc)."""
 
     # The request's skip_special_tokens, when the format's markers are special tokens; None: the request's own.
@@ -34,11 +35,13 @@ class ToolParser:
     def __init__(self, stream: bool = True) -> None:
         self.stream = stream
 
+    @abstractmethod
     def feed(self, text: str) -> list[Event]:
-        raise NotImplementedError
+        """The events a delta of the model's text makes."""
 
+    @abstractmethod
     def finish(self) -> list[Event]:
-        raise NotImplementedError
+        """The events the end of the output makes (what was held back)."""
 
     def parse(self, text: str) -> ParsedOutput:
         return collect(self.feed(text) + self.finish())
