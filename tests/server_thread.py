@@ -5,6 +5,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import uvloop
 
@@ -102,3 +103,15 @@ class HealthWatch:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_in_background(target: Callable[[], None], until: Callable[[], bool],
+                        timeout: float = 60.0) -> threading.Thread:
+    """Run ``target`` on a daemon thread and return once ``until()`` holds (a stream has started, say)."""
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline and t.is_alive(), "the background work did not start"
+        time.sleep(0.01)
+    return t

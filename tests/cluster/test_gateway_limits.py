@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.proto.v1 import generation_pb2 as pb
-from pagedserve.tests.server_thread import ServerThread, free_port
+from pagedserve.tests.server_thread import ServerThread, free_port, start_in_background
 
 MODEL = "tiny-llama"
 KEY_A, KEY_B = "key-a", "key-b"
@@ -191,12 +191,7 @@ def test_oversized_body_is_413_before_it_is_read_while_a_stream_flows(server):
             last = time.monotonic()
         done.set()
 
-    t = threading.Thread(target=stream, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while not gaps:
-        assert time.monotonic() < deadline and t.is_alive(), "the stream did not start"
-        time.sleep(0.01)
+    t = start_in_background(stream, until=lambda: bool(gaps))
     cap = server.gateway.state.max_body_bytes
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY_A}\r\n"
             "Content-Type: application/json\r\n")

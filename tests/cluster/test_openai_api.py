@@ -22,7 +22,7 @@ from pagedserve.cluster.client import AsyncClient
 from pagedserve.config import default_model_dir
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.sampling_params import StructuredOutputsParams
-from pagedserve.tests.server_thread import ServerThread, free_port
+from pagedserve.tests.server_thread import ServerThread, free_port, start_in_background
 from pagedserve.tests.utils import random_prompts
 
 MODEL = "tiny-llama"
@@ -435,12 +435,7 @@ def test_oversized_chat_fields_are_400_at_once_while_streams_flow(server, client
                     last = now
         done.set()
 
-    t = threading.Thread(target=stream, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while not gaps:
-        assert time.monotonic() < deadline and t.is_alive(), "the stream did not start"
-        time.sleep(0.01)
+    t = start_in_background(stream, until=lambda: bool(gaps))
     for msg, extra, param in [({"role": "u" * 1_000_000, "content": "x"}, {}, "messages.0.role"),
                               ({"role": "user", "content": "x", "name": "n" * 10_000}, {}, "messages.0.name"),
                               ({"role": "user", "content": "x"}, {"chat_template_kwargs": {"k": "v" * 70_000}},
