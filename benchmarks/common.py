@@ -23,13 +23,27 @@ REFERENCE_MODELS = {
                             intermediate_size=2048, vocab_size=32000),
     "bench-llama-7b-shape": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                  num_key_value_heads=32, intermediate_size=11008, vocab_size=32000),
+    # Qwen2.5-0.5B's config.json (q/k/v biases, tied embeddings).
+    "bench-qwen2-0.5b-shape": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                   num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                                   tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                   use_sliding_window=False),
+    # Llama-3.2-1B's config.json (tied embeddings, llama3 rope scaling).
+    "bench-llama-1b-shape": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                 head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                                 rope_theta=500000.0, rms_norm_eps=1e-5,
+                                 rope_scaling=dict(rope_type="llama3", factor=32.0, high_freq_factor=4.0,
+                                                   low_freq_factor=1.0, original_max_position_embeddings=8192)),
 }
+# Every reference model is saved with this context length (the real 0.5B/1B configs say 32K/128K): neither engine
+# then sizes anything for contexts no workload here reaches.
+MAX_POSITIONS = 4096
 
 
 def reference_model(name: str) -> str:
     """Build (once) a random-weight reference model dir with transformers and return its path. Weights are saved
     in bf16, as real checkpoints are; a dir saved in another dtype is rebuilt (into a new dir, then swapped in)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = os.path.join(MODELS, name)
     if _saved_dtype(path) == "bfloat16":
@@ -37,11 +51,14 @@ def reference_model(name: str) -> str:
             word_tokenizer(REFERENCE_MODELS[name]["vocab_size"]).save_pretrained(path)
         return path
     torch.manual_seed(0)
-    config = LlamaConfig(**REFERENCE_MODELS[name], max_position_embeddings=4096, tie_word_embeddings=False,
-                         architectures=["LlamaForCausalLM"])
+    spec = dict(REFERENCE_MODELS[name])
+    model_type = spec.pop("model_type", "llama")
+    spec.setdefault("tie_word_embeddings", False)
+    config = AutoConfig.for_model(model_type, **spec, max_position_embeddings=MAX_POSITIONS)
+    config.architectures = [f"{'Qwen2' if model_type == 'qwen2' else 'Llama'}ForCausalLM"]
     big = name.endswith("7b-shape")  # build on the GPU
     with torch.device("cuda" if big and torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     tmp = f"{path}.building-{os.getpid()}"
     model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
     word_tokenizer(config.vocab_size).save_pretrained(tmp)
