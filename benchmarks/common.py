@@ -31,12 +31,12 @@ REFERENCE_MODELS = {
     # Llama-3.2-1B's config.json (tied embeddings, llama3 rope scaling).
     "bench-llama-1b-shape": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                                  head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
-                                 rope_theta=500000.0, rms_norm_eps=1e-5,
+                                 rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=16384,
                                  rope_scaling=dict(rope_type="llama3", factor=32.0, high_freq_factor=4.0,
                                                    low_freq_factor=1.0, original_max_position_embeddings=8192)),
 }
-# Every reference model is saved with this context length (the real 0.5B/1B configs say 32K/128K): neither engine
-# then sizes anything for contexts no workload here reaches.
+# The context length reference models are saved with unless they name one (the real 0.5B/1B configs say 32K/128K;
+# llama3 rope needs more than its 8K original): neither engine then sizes anything for contexts no workload reaches.
 MAX_POSITIONS = 4096
 
 
@@ -54,7 +54,8 @@ def reference_model(name: str) -> str:
     spec = dict(REFERENCE_MODELS[name])
     model_type = spec.pop("model_type", "llama")
     spec.setdefault("tie_word_embeddings", False)
-    config = AutoConfig.for_model(model_type, **spec, max_position_embeddings=MAX_POSITIONS)
+    spec.setdefault("max_position_embeddings", MAX_POSITIONS)
+    config = AutoConfig.for_model(model_type, **spec)
     config.architectures = [f"{'Qwen2' if model_type == 'qwen2' else 'Llama'}ForCausalLM"]
     big = name.endswith("7b-shape")  # build on the GPU
     with torch.device("cuda" if big and torch.cuda.is_available() else "cpu"):
