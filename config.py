@@ -44,6 +44,7 @@ class CacheConfig:
     enable_prefix_caching: bool
     swap_space: float  # GiB of CPU blocks per worker for swap preemption
     enable_block_sharing: bool  # False: forks copy all blocks (the no-sharing baseline)
+    cache_dtype: str = "auto"  # vLLM's kv_cache_dtype: "auto" (the model's), "fp8" (= "fp8_e4m3"), "fp8_e5m2"
     num_blocks: int = 0  # resolved from the workers' memory
     num_cpu_blocks: int = 0
     sliding_window: int | None = None  # set when every layer slides: KV blocks below the window are freed

@@ -20,7 +20,7 @@ from pagedserve.config import (
     default_model_dir,
 )
 from pagedserve.engine.model_config import check_tensor_parallel, load_model_config
-from pagedserve.kernels import BACKENDS, default_backend
+from pagedserve.kernels import BACKENDS, KV_CACHE_DTYPES, default_backend
 from pagedserve.worker.layers.attention import kv_sliding_window
 from pagedserve.worker.models.registry import check_architecture
 
@@ -50,6 +50,9 @@ class EngineArgs:
     max_model_len: int | None = _arg(None, "context length (default: the model's)")
     kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (default: profiled on GPU, 20%% of free RAM "
                                              "on CPU)", aliases=["--kv-cache-memory-bytes"])
+    kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2 "
+                                       "with a per-tensor scale per layer (twice the blocks of bf16)",
+                               choices=["auto", *KV_CACHE_DTYPES])
     num_gpu_blocks_override: int | None = _arg(None, "KV-cache blocks, overriding the memory-based count")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps")
@@ -122,6 +125,7 @@ class EngineArgs:
                              f"{self.structured_outputs_compile_timeout}")
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype, device)
         backend = self.attention_backend or default_backend(device)
         if backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)}, got {backend!r}")
@@ -153,7 +157,7 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space,
-                enable_block_sharing=self.enable_block_sharing,
+                enable_block_sharing=self.enable_block_sharing, cache_dtype=self.kv_cache_dtype,
                 sliding_window=kv_sliding_window(model_config.hf_config)),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_len,
@@ -166,6 +170,18 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig(
                 self.structured_outputs_cache_size, self.structured_outputs_compile_timeout,
                 self.structured_outputs_max_pending_compiles))
+
+
+def check_kv_cache_dtype(name: str, device: str) -> None:
+    """Refuses a KV-cache dtype this machine cannot store and read: Triton's fp8_e4m3 needs compute capability 8.9
+    (Ada, Hopper) or newer."""
+    if name != "auto" and name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {['auto', *KV_CACHE_DTYPES]}, got {name!r}")
+    if device == "cuda" and KV_CACHE_DTYPES.get(name) == torch.float8_e4m3fn:
+        capability = torch.cuda.get_device_capability()
+        if capability < (8, 9):
+            raise ValueError(f"kv_cache_dtype={name!r} (fp8_e4m3) needs a GPU of compute capability 8.9 or newer; "
+                             f"this one is {capability[0]}.{capability[1]}: use fp8_e5m2 or auto")
 
 
 # Above this many decoding sequences a step is already wide enough that verifying drafts costs more than it saves

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+import torch
+
 from pagedserve.kernels import cpu_extension
 
 BACKENDS = {
@@ -15,6 +17,15 @@ BACKENDS = {
     "triton": "pagedserve.kernels.triton_ops",
     "cpu": "pagedserve.kernels.cpu_ops",  # C++ attention and KV writes (fp32, bf16), torch ops for the rest
 }
+
+
+# vLLM's kv_cache_dtype names; "auto" stores the model's dtype.
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype for ``--kv-cache-dtype name``."""
+    return model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
 
 
 def default_backend(device_type: str) -> str:

@@ -80,10 +80,11 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 
 def reshape_and_cache_supported(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor) -> bool:
-    """Whether :func:`reshape_and_cache` takes these tensors: CPU fp32 or bf16 ``key`` and ``value [T, Hkv, D]``
-    of the caches' dtype, each token's heads contiguous (tokens may be strided); contiguous caches ``[N, bs, Hkv,
-    D]`` of one shape; the extension built. Any head count and size (rows are copied whole)."""
-    return (_cpu(key, value, k_cache, v_cache) and key.dtype == k_cache.dtype and value.dtype == v_cache.dtype
+    """Whether :func:`reshape_and_cache` takes these tensors: CPU fp32, bf16 or uint8 (fp8 bytes) ``key`` and
+    ``value [T, Hkv, D]`` of the caches' dtype, each token's heads contiguous (tokens may be strided); contiguous
+    caches ``[N, bs, Hkv, D]`` of one shape; the extension built. Any head count and size (rows are copied whole)."""
+    return (_cpu(key, value, k_cache, v_cache, dtypes=(*_DTYPES, torch.uint8))
+            and key.dtype == k_cache.dtype and value.dtype == v_cache.dtype
             and key.dim() == 3 and key.shape == value.shape and k_cache.dim() == 4
             and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == tuple(key.shape[1:])
             and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))

@@ -9,11 +9,44 @@ A packed batch holds ``B`` sequences; sequence ``b`` owns query rows
 Query row ``i`` of sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and attends to
 keys ``0..that position`` (causal inside the chunk, full over the cached prefix), or with a sliding window ``W``
 only the last ``W`` of them (positions ``> position - W``, Hugging Face's convention for every family).
+
+An fp8 cache (``float8_e4m3fn`` or ``float8_e5m2``) holds ``key / k_scale`` (``value / v_scale``) saturated to the
+format's finite range and rounded to nearest even; attention reads ``cached * k_scale`` (per-tensor scales, one
+pair per layer). Caches of any other dtype ignore the scales.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype in FP8_DTYPES
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (torch's CPU index ops do not take fp8); any other tensor as it is."""
+    return t.view(torch.uint8) if is_fp8(t) else t
+
+
+def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` saturated to ``dtype``'s finite range, rounded to nearest even."""
+    bound = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-bound, bound).to(dtype)
+
+
+def dequantize(cached: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows as ``dtype`` for attention: fp8 bytes times their scale, other caches converted."""
+    if not is_fp8(cached):
+        return cached.to(dtype)
+    return (cached.float() * scale).to(dtype)
+
+
+def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """Rows as the cache stores them."""
+    return quantize_fp8(x, scale, cache.dtype) if is_fp8(cache) else x.to(cache.dtype)
 
 
 def reshape_and_cache(
@@ -22,20 +55,24 @@ def reshape_and_cache(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int, -1 = padding (skip)
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     slots = slot_mapping.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        rows = as_bits(to_cache(x, cache, scale))
+        as_bits(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` cached rows of one sequence as a contiguous ``[seq_len, Hkv, D]``."""
+    """The first ``seq_len`` cached rows of one sequence as a contiguous ``[seq_len, Hkv, D]`` (in the cache's
+    dtype)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    rows = cache[block_table[:num_blocks].long()]  # [nb, bs, Hkv, D]
+    rows = as_bits(cache)[block_table[:num_blocks].long()].view(cache.dtype)  # [nb, bs, Hkv, D]
     return rows.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
@@ -77,7 +114,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_s
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                      logits_soft_cap: float | None) -> torch.Tensor:
+                      logits_soft_cap: float | None, k_scale: float, v_scale: float) -> torch.Tensor:
     """One query row per sequence, at position ``seq_len - 1``. Each row reads its blocks from the one holding its
     first key; rows spanning the same number of blocks attend as one padded batch, so padding stays under one
     block per row while Python work is per group, not per sequence."""
@@ -91,8 +128,9 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         rows = (num_blocks == nb).nonzero().squeeze(1)
         cols = first_block[rows][:, None] + torch.arange(nb, device=q.device)
         bt = block_tables[rows].gather(1, cols.to(block_tables.dtype)).long()
-        k = k_cache[bt].view(len(rows), nb * bs, hkv, d).transpose(1, 2).to(q.dtype)
-        v = v_cache[bt].view(len(rows), nb * bs, hkv, d).transpose(1, 2).to(q.dtype)
+        k = as_bits(k_cache)[bt].view(k_cache.dtype).view(len(rows), nb * bs, hkv, d).transpose(1, 2)
+        v = as_bits(v_cache)[bt].view(v_cache.dtype).view(len(rows), nb * bs, hkv, d).transpose(1, 2)
+        k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
         pos = (first_block[rows] * bs)[:, None] + torch.arange(nb * bs, device=q.device)
         mask = (pos < seq_lens[rows][:, None]) & (pos >= lo[rows][:, None])
         o = _softmax_attention(q[rows].unsqueeze(2), k, v, mask[:, None, None, :], scale, logits_soft_cap)
@@ -112,6 +150,8 @@ def paged_attention(
     *,
     sliding_window: int | None = None,  # a query at position p attends keys at positions > p - sliding_window
     logits_soft_cap: float | None = None,  # scores = cap * tanh(scores / cap) before the softmax
+    k_scale: float = 1.0,  # fp8 caches: what a cached byte's value is multiplied by
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Block-table entries wholly below a row's window are never read (they may point at freed blocks)."""
     if out is None:
@@ -122,7 +162,7 @@ def paged_attention(
         rows = decode.nonzero().squeeze(1)
         tokens = query_start_loc[:-1][rows].long()
         out[tokens] = _decode_attention(query[tokens], k_cache, v_cache, block_tables[rows], seq_lens[rows].long(),
-                                        scale, sliding_window, logits_soft_cap)
+                                        scale, sliding_window, logits_soft_cap, k_scale, v_scale)
     bs = k_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -132,8 +172,8 @@ def paged_attention(
         k_start = first_key(q_start, sliding_window) // bs * bs
         k = gather_kv(k_cache, block_tables[b, k_start // bs:], lens[b] - k_start)
         v = gather_kv(v_cache, block_tables[b, k_start // bs:], lens[b] - k_start)
-        out[s:e] = _attend(query[s:e], k.to(query.dtype), v.to(query.dtype), scale, q_start, k_start,
-                           sliding_window, logits_soft_cap)
+        out[s:e] = _attend(query[s:e], dequantize(k, k_scale, query.dtype), dequantize(v, v_scale, query.dtype),
+                           scale, q_start, k_start, sliding_window, logits_soft_cap)
     return out
 
 
@@ -146,6 +186,7 @@ def copy_blocks(
         return
     src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
     for k, v in zip(k_caches, v_caches):
+        k, v = as_bits(k), as_bits(v)
         k[dst] = k[src]
         v[dst] = v[src]
 
@@ -159,7 +200,7 @@ def swap_blocks(
         return
     s = block_mapping[:, 0].long().to(src.device)
     d = block_mapping[:, 1].long().to(dst.device)
-    dst[d] = src[s].to(dst.device)
+    as_bits(dst)[d] = as_bits(src)[s].to(dst.device)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

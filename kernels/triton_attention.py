@@ -84,7 +84,8 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [B, max_blocks]
     query_start_loc_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
-    scale_log2,  # softmax scale * log2(e): the softmax runs on exp2
+    scale_log2,  # softmax scale * log2(e) (* an fp8 K cache's scale): the softmax runs on exp2
+    v_scale,  # an fp8 V cache's scale (1.0 else), applied to the output
     soft_cap_log2,  # logit soft-cap * log2(e) (only read when SOFT_CAP)
     sliding_window,  # a query at position p sees keys > p - sliding_window (only read when SLIDING)
     num_seqs,
@@ -202,7 +203,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     has_keys = l_i > 0.0  # false for padding rows and for rows with no key in this split
-    acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    acc = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
     out_mask = row_valid[:, None] & d_valid[None, :]
     if SPLIT:
         o_ptrs = (
@@ -365,11 +366,16 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Launch for checked arguments (see ``triton_ops.paged_attention``). ``config`` overrides the
     heuristic (tests use it to reach every tiling and the split path on tiny shapes); ``stats``
     is ``batch_stats(...)`` when the caller already knows it, saving the device-to-host sync.
-    ``sliding_window`` (>= 1) and ``logits_soft_cap`` (> 0) follow ``torch_ref.paged_attention``."""
+    ``sliding_window`` (>= 1), ``logits_soft_cap`` (> 0) and an fp8 cache's scales follow
+    ``torch_ref.paged_attention``."""
+    if k_cache.element_size() != 1:
+        k_scale = v_scale = 1.0
     _, num_q_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -417,7 +423,8 @@ def paged_attention(
         block_tables,
         query_start_loc,
         seq_lens,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e),
+        v_scale,
         (logits_soft_cap or 1.0) * math.log2(math.e),
         sliding_window or 0,
         num_seqs,

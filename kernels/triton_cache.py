@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import torch_ref
+
 # Elements one copy_blocks program moves; a block is usually a few thousand to tens of thousands.
 COPY_CHUNK = 4096
 
@@ -21,6 +23,8 @@ def _reshape_and_cache_kernel(
     k_cache_ptr,  # [N, bs, Hkv, D]
     v_cache_ptr,
     slot_mapping_ptr,  # [T]
+    k_scale,  # an fp8 cache stores key / k_scale, saturated to FP8_MAX (only read when FP8)
+    v_scale,
     num_kv_heads,
     stride_key_tok,
     stride_key_head,
@@ -36,6 +40,8 @@ def _reshape_and_cache_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -49,10 +55,14 @@ def _reshape_and_cache_kernel(
     mask = (h < num_kv_heads)[:, None] & (d < HEAD_SIZE)[None, :]
 
     k = tl.load(key_ptr + tok * stride_key_tok + h[:, None] * stride_key_head + d[None, :], mask=mask)
+    if FP8:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
     k_dst = k_cache_ptr + block * stride_kc_block + block_offset * stride_kc_slot
     tl.store(k_dst + h[:, None] * stride_kc_head + d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
 
     v = tl.load(value_ptr + tok * stride_value_tok + h[:, None] * stride_value_head + d[None, :], mask=mask)
+    if FP8:
+        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
     v_dst = v_cache_ptr + block * stride_vc_block + block_offset * stride_vc_slot
     tl.store(v_dst + h[:, None] * stride_vc_head + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -64,13 +74,20 @@ def reshape_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     interpreting: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
+    fp8 = torch_ref.is_fp8(k_cache)
     if interpreting:
-        # The interpreter truncates fp32 -> fp16/bf16 instead of rounding to nearest even.
-        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+        # The interpreter truncates fp32 -> fp16/bf16 instead of rounding to nearest even (and has no fp8 stores):
+        # rows arrive in the cache's format, to be copied.
+        key, value = torch_ref.to_cache(key, k_cache, k_scale), torch_ref.to_cache(value, v_cache, v_scale)
+        if fp8:
+            key, value, k_cache, v_cache = (torch_ref.as_bits(t) for t in (key, value, k_cache, v_cache))
+            fp8 = False
     head_pad = triton.next_power_of_2(head_size)
     heads_per_program = min(triton.next_power_of_2(num_kv_heads), max(1, 2048 // head_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_program))
@@ -80,6 +97,8 @@ def reshape_and_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
         num_kv_heads,
         *key.stride()[:2],
         *value.stride()[:2],
@@ -89,6 +108,8 @@ def reshape_and_cache(
         HEAD_PAD=head_pad,
         BLOCK_SIZE=k_cache.shape[1],
         HEADS_PER_PROGRAM=heads_per_program,
+        FP8=fp8,
+        FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
     )
 
 
@@ -139,7 +160,7 @@ def copy_blocks(
         return
     if not _same_layout(caches):  # one pointer table needs one dtype, shape and layout
         src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
-        for cache in caches:
+        for cache in map(torch_ref.as_bits, caches):
             cache[dst.to(cache.device)] = cache[src.to(cache.device)]
         return
     first = caches[0]
@@ -177,6 +198,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     destination from the CPU."""
     if block_mapping.numel() == 0:
         return
+    src, dst = torch_ref.as_bits(src), torch_ref.as_bits(dst)
     if src.device == dst.device:
         s = block_mapping[:, 0].to(src.device, torch.long)
         d = block_mapping[:, 1].to(dst.device, torch.long)

@@ -41,6 +41,8 @@ def reshape_and_cache(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int, -1 = padding (skip)
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     _check_cache_pair(k_cache, v_cache)
     _check(key.dim() == 3 and key.shape == value.shape, "key and value must both be [T, Hkv, D]")
@@ -55,6 +57,8 @@ def reshape_and_cache(
         v_cache,
         slot_mapping,
         interpreting=triton_attention._interpreting(),
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -79,9 +83,12 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Sliding windows and logit soft-caps run in the kernel (block-table entries below a row's window, possibly
-    ``NULL_BLOCK``, are never read); only shapes failing :func:`attention_supported` take the torch reference."""
+    """Sliding windows, logit soft-caps and fp8 caches run in the kernel (block-table entries below a row's
+    window, possibly ``NULL_BLOCK``, are never read); only shapes failing :func:`attention_supported` take the
+    torch reference."""
     _check_cache_pair(k_cache, v_cache)
     _check(query.dim() == 3, "query must be [T, Hq, D]")
     _check(query.dtype in _FLOAT_DTYPES, f"unsupported query dtype {query.dtype}")
@@ -98,7 +105,8 @@ def paged_attention(
     _check(logits_soft_cap is None or logits_soft_cap > 0, f"logits_soft_cap must be > 0, got {logits_soft_cap}")
     if not attention_supported(query, k_cache):
         return torch_ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                         out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                         out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                         k_scale=k_scale, v_scale=v_scale)
     if out is None:
         out = torch.empty_like(query)
     _check(out.shape == query.shape and out.dtype == query.dtype, "out must match query")
@@ -115,6 +123,8 @@ def paged_attention(
         dst,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     if dst is not out:
         out.copy_(dst)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.kernels import get_backend
+from pagedserve.kernels import get_backend, kv_cache_dtype
 from pagedserve.outputs import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -83,13 +83,16 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
 
     # ---- KV cache ----------------------------------------------------------------------------
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return kv_cache_dtype(self.config.cache_config.cache_dtype, self.config.model_config.dtype)
+
     def kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
-        elem = torch.empty(0, dtype=self.config.model_config.dtype).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_size * elem
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_size * self.kv_cache_dtype.itemsize
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        dtype = self.config.model_config.dtype
+        dtype = self.kv_cache_dtype
         self.k_caches, self.v_caches, self.cpu_k_caches, self.cpu_v_caches = [], [], [], []
         pin = self.device.type == "cuda"
         for layer in self.attn_layers:

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 import pagedserve
 from pagedserve.config import EngineConfig
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.kernels import kv_cache_dtype
 from pagedserve.worker.worker import CPU_KV_FRACTION
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -206,8 +207,8 @@ def kv_bytes_per_block(config: EngineConfig) -> int:
     head_size = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads
     per_rank = 1 if tp >= kv_heads else kv_heads // tp
-    return (2 * hf.num_hidden_layers * config.cache_config.block_size * per_rank * head_size
-            * config.model_config.dtype.itemsize)
+    dtype = kv_cache_dtype(config.cache_config.cache_dtype, config.model_config.dtype)
+    return 2 * hf.num_hidden_layers * config.cache_config.block_size * per_rank * head_size * dtype.itemsize
 
 
 def available_memory() -> int:

@@ -3,7 +3,7 @@
 //
 // The torch reference gathers each sequence's blocks into a contiguous copy and runs one SDPA per prefill chunk
 // from Python; this kernel reads K and V rows in place through the block table and takes the whole packed batch at
-// once. Work items are a decode row (all heads; a row of more than 512 keys in near-equal parts, merged by the
+// once (an fp8 cache is widened to fp32 as it is read). Work items are a decode row (all heads; a row of more than 512 keys in near-equal parts, merged by the
 // thread that finishes its last part) or a tile of up to 32 prefill rows for one KV head (its GQA group scored
 // against each K row while it is in cache); torch's threads take the items costliest first (rows x keys), each the
 // next one as it finishes. Queries, scores, softmax and the output accumulator are fp32 whatever the
@@ -79,12 +79,12 @@ inline void chunk_rows(const T* cache, const int32_t* table, int64_t t0, int64_t
 }
 
 // A work item of plan(); a decode row's part leaves its partial results in split's scratch, and the thread that
-// finishes the row's last part combines them and writes the row.
-template <typename T>
-void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* table, const AttnItem& it,
+// finishes the row's last part combines them and writes the row. T: query and output storage; C: the cache's.
+template <typename T, typename C>
+void attend_item(const T* q, const C* kc, const C* vc, T* out, const int32_t* table, const AttnItem& it,
                  const AttnShape& sh, const DecodeParts& split) {
   thread_local std::vector<float> qf, S, acc, sums, top;
-  thread_local std::vector<T> zero;
+  thread_local std::vector<C> zero;
   const int64_t nr = it.r1 - it.r0, nh = it.h1 - it.h0, G = sh.G, D = sh.D;
   const int64_t nq = nr * nh * G;               // query vectors, ordered (row, KV head, group member)
   const bool part = it.parts > 1;               // keys [k0, k1) of a decode row (one row, every head)
@@ -98,7 +98,7 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
   acc.assign(nq * D, 0.f);
   sums.resize(nq);
   top.resize(nq);
-  if (int64_t(zero.size()) < sh.tok_stride) zero.assign(sh.tok_stride, T(0));
+  if (int64_t(zero.size()) < sh.tok_stride) zero.assign(sh.tok_stride, C{});  // +0.0 in every format
   const int64_t row0 = it.first_token + it.r0;
   for (int64_t i = 0; i < nr; ++i)
     for (int64_t hh = 0; hh < nh; ++hh)
@@ -111,8 +111,8 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
   auto rows_end = [&](int64_t t0) {
     return sh.window > 0 ? std::min<int64_t>(nr, t0 + kChunk + sh.window - 1 - lag) : nr;
   };
-  const T* rows[kChunk];
-  const T* hr[kChunk];
+  const C* rows[kChunk];
+  const C* hr[kChunk];
   for (int64_t t0 = k0; t0 < L; t0 += kChunk) {
     chunk_rows(kc, table, t0, L, sh, zero.data(), rows);
     for (int64_t i = std::max<int64_t>(0, t0 - lag), ie = rows_end(t0); i < ie; ++i)
@@ -158,13 +158,14 @@ void attend_item(const T* q, const T* kc, const T* vc, T* out, const int32_t* ta
         const int64_t qi = (i * nh + hh) * G + g;
         T* dst = out + (row0 + i) * sh.o_stride + ((it.h0 + hh) * G + g) * D;
         const float* a = acc.data() + qi * D;
-        const f32x8 w = splat(1.f / sums[qi]);
+        const f32x8 w = splat(sh.v_scale / sums[qi]);
         for (int64_t d = 0; d < D; d += 8) store8(dst + d, load8(a + d) * w);
       }
 }
 
-inline bool attend_bf16_if(const float*, const float*, const float*, float*, const int32_t*, const AttnItem&,
-                           const AttnShape&, const DecodeParts&) { return false; }
+template <typename T, typename C>
+inline bool attend_bf16_if(const T*, const C*, const C*, T*, const int32_t*, const AttnItem&, const AttnShape&,
+                           const DecodeParts&) { return false; }
 inline bool attend_bf16_if(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
                            const AttnItem& it, const AttnShape& sh, const DecodeParts& split) {
   attend_item_bf16(q, kc, vc, out, table, it, sh, split);
@@ -213,10 +214,12 @@ std::vector<AttnItem> plan(const int32_t* qsl, const int32_t* sl, int64_t B, con
 
 void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale, torch::Tensor out,
-                     int64_t sliding_window, double logits_soft_cap) {
+                     int64_t sliding_window, double logits_soft_cap, double k_scale, double v_scale) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && out.dim() == 3);
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
-              out.scalar_type() == query.scalar_type(), "query, caches and out must share one dtype");
+  const auto cache_type = k_cache.scalar_type();
+  const bool fp8 = cache_type == torch::kFloat8_e4m3fn || cache_type == torch::kFloat8_e5m2;
+  TORCH_CHECK((fp8 || query.scalar_type() == cache_type) && cache_type == v_cache.scalar_type() &&
+              out.scalar_type() == query.scalar_type(), "query and out share one dtype; the caches it or fp8");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be [heads, head_size]");
   TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be [heads, head_size]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes());
@@ -229,7 +232,8 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   sh.tok_stride = sh.Hkv * sh.D; sh.blk_stride = sh.bs * sh.tok_stride;
   sh.q_stride = query.stride(0); sh.o_stride = out.stride(0);
   sh.max_blocks = block_tables.size(1);
-  sh.scale = float(scale);
+  sh.scale = float(scale * (fp8 ? k_scale : 1.0));
+  sh.v_scale = float(fp8 ? v_scale : 1.0);
   sh.window = sliding_window;
   sh.soft_cap = float(logits_soft_cap);
   const int64_t B = seq_lens.size(0);
@@ -240,7 +244,7 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   // The bf16 kernel packs each item's V rows once: larger items (128 query vectors) share that. It takes windows
   // on decode rows only and no soft-cap; the generic kernel takes the rest.
-  const bool bf16_kernel = query.scalar_type() == torch::kBFloat16 && attention_bf16_takes(sh) && sh.soft_cap == 0.f;
+  const bool bf16_kernel = cache_type == torch::kBFloat16 && attention_bf16_takes(sh) && sh.soft_cap == 0.f;
   int64_t slots = 0;
   const std::vector<AttnItem> items = plan(qsl, sl, B, sh, bf16_kernel ? std::max<int64_t>(1, 128 / sh.G) : 32,
                                            kDecodePartKeys, &slots);
@@ -255,11 +259,7 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return items[a].cost > items[b].cost; });
   const int64_t n = int64_t(items.size()), parts = std::min<int64_t>(at::get_num_threads(), n);
   std::atomic<int64_t> next{0};
-  PS_DISPATCH(query.scalar_type(), [&] {
-    const scalar* q = ptr<scalar>(query);
-    const scalar* kc = ptr<scalar>(k_cache);
-    const scalar* vc = ptr<scalar>(v_cache);
-    scalar* o = mut_ptr<scalar>(out);
+  auto run = [&](auto* q, auto* kc, auto* vc, auto* o) {
     at::parallel_for(0, parts, 1, [&](int64_t, int64_t) {
       for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
         const AttnItem& it = items[order[k]];
@@ -268,6 +268,16 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
           attend_item(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, sh, split);
       }
     });
+  };
+  PS_DISPATCH(query.scalar_type(), [&] {
+    const scalar* q = ptr<scalar>(query);
+    scalar* o = mut_ptr<scalar>(out);
+    if (cache_type == torch::kFloat8_e4m3fn)
+      run(q, ptr<fp8_e4m3_t>(k_cache), ptr<fp8_e4m3_t>(v_cache), o);
+    else if (cache_type == torch::kFloat8_e5m2)
+      run(q, ptr<fp8_e5m2_t>(k_cache), ptr<fp8_e5m2_t>(v_cache), o);
+    else
+      run(q, ptr<scalar>(k_cache), ptr<scalar>(v_cache), o);
   });
 }
 

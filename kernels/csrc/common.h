@@ -27,6 +27,10 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint16_t bf16_t;
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+// The bytes of an fp8 KV cache (float8_e4m3fn, float8_e5m2): storage types only, widened to fp32 on load.
+struct fp8_e4m3_t { uint8_t bits; };
+struct fp8_e5m2_t { uint8_t bits; };
 
 // bf16 bits widened to fp32 (exact), and fp32 rounded to bf16 to nearest even, as torch's float -> bfloat16.
 template <typename F, typename U32, typename U16>
@@ -44,6 +48,18 @@ inline void round_bf16(bf16_t* p, F v) {
 }
 inline f32x8 load8(const float* p) { f32x8 v; std::memcpy(&v, p, sizeof v); return v; }
 inline f32x8 load8(const bf16_t* p) { return widen_bf16<f32x8, u32x8, u16x8>(p); }
+// fp8 widened to fp32 exactly: the byte's exponent and mantissa bits moved into a float's fields, then one multiply
+// by 2^(127 - bias) re-biases the exponent (subnormals come out right too, as fp32 subnormals scaled up).
+template <int MANT, int BIAS>
+inline f32x8 widen_fp8(const uint8_t* p) {
+  u8x8 b; std::memcpy(&b, p, sizeof b);
+  const u32x8 w = __builtin_convertvector(b, u32x8);
+  const u32x8 bits = ((w & 0x80u) << 24) | ((w & 0x7Fu) << (23 - MANT));
+  f32x8 v; std::memcpy(&v, &bits, sizeof v);
+  return v * std::ldexp(1.f, 127 - BIAS);
+}
+inline f32x8 load8(const fp8_e4m3_t* p) { return widen_fp8<3, 7>(&p->bits); }
+inline f32x8 load8(const fp8_e5m2_t* p) { return widen_fp8<2, 15>(&p->bits); }
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
 inline void store8(bf16_t* p, f32x8 v) { round_bf16<u32x8, u16x8>(p, v); }
 inline f32x16 load16(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof v); return v; }

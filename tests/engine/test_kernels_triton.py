@@ -147,6 +147,50 @@ def test_attention_split_kv_forced(dtype: torch.dtype) -> None:
     _run_and_compare(case, config)
 
 
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _fp8_case(case: dict, cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> dict:
+    """``case`` with its caches quantized as ``reshape_and_cache`` stores them (keys 3x the scale's unit)."""
+    k = torch_ref.quantize_fp8(3 * k_scale * case["k_cache"].float(), k_scale, cache_dtype)
+    v = torch_ref.quantize_fp8(v_scale * case["v_cache"].float(), v_scale, cache_dtype)
+    return {**case, "k_cache": k, "v_cache": v, "k_scale": k_scale, "v_scale": v_scale}
+
+
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_attention_over_fp8_cache(cache_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    q_lens, seq_lens = _mixed_lens(16)
+    case = _fp8_case(_attention_case(q_lens, seq_lens, gqa=2, dtype=dtype), cache_dtype, 0.5, 2.0)
+    _run_and_compare(case)
+    _run_and_compare(case, AttentionConfig(block_q=4, tile_n=16, num_splits=4, partition_size=32))  # v_scale x splits
+
+
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+def test_reshape_and_cache_fp8_writes_the_reference_bytes(cache_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(9)
+    kv = (torch.finfo(cache_dtype).max / 10 * torch.randn(23, 7, 64, generator=gen)).to(DEVICE, BF16)
+    key, value = kv[:, :3], kv[:, 4:]
+    slots = torch.randperm(6 * 16, generator=gen)[:23].to(DEVICE)
+    slots[[0, 9]] = -1
+    caches = [torch.zeros(6, 16, 3, 64, dtype=cache_dtype, device=DEVICE) for _ in range(4)]
+    triton_ops.reshape_and_cache(key, value, caches[0], caches[1], slots, 0.25, 3.0)
+    torch_ref.reshape_and_cache(key, value, caches[2], caches[3], slots, 0.25, 3.0)
+    assert caches[0].float().abs().max() == torch.finfo(cache_dtype).max  # saturated, not inf or NaN
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    moved = [c.clone() for c in caches[:2]]
+    mapping = torch.tensor([[0, 5], [3, 1]], device=DEVICE)
+    triton_ops.copy_blocks(moved[:1], moved[1:], mapping)
+    torch_ref.copy_blocks(caches[:1], caches[1:2], mapping)
+    assert torch.equal(moved[0].view(torch.uint8), caches[0].view(torch.uint8))
+    host = torch.zeros(4, 16, 3, 64, dtype=cache_dtype)
+    triton_ops.swap_blocks(caches[0], host, torch.tensor([[1, 0], [4, 3]]))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(host[3].view(torch.uint8), caches[0][4].cpu().view(torch.uint8))
+
+
 def test_attention_split_kv_heuristic_path() -> None:
     # One long decode with one KV head: too few programs to fill the device, so split.
     case = _attention_case([1], [700], num_kv_heads=1, gqa=4, head_size=64, block_size=32)

@@ -38,6 +38,8 @@ class Attention(nn.Module):
         # HF semantics: a query at position p attends keys at positions > p - sliding_window.
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # Per-tensor scales of an fp8 cache (cached = k / k_scale); other caches ignore them.
+        self.k_scale, self.v_scale = 1.0, 1.0
         # Bound by the worker once the KV cache is allocated: [num_blocks, block_size, Hkv, D].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -47,8 +49,9 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_size)
         k = k.reshape(-1, self.num_kv_heads, self.head_size)
         v = v.reshape(-1, self.num_kv_heads, self.head_size)
-        md.backend.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        md.backend.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale)
         out = md.backend.paged_attention(q, self.k_cache, self.v_cache, md.block_tables,
                                          md.query_start_loc, md.seq_lens, self.scale,
-                                         sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+                                         sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+                                         k_scale=self.k_scale, v_scale=self.v_scale)
         return out.reshape(-1, self.num_heads * self.head_size)
