@@ -2,7 +2,8 @@
 # The GPU checks in one command, on a CUDA machine that has torch, triton and transformers (Ray is not needed):
 # the tests that run on CUDA there (Triton kernels against torch_ref, the engine on the Triton backend against the
 # torch one, fp32 parity with transformers, bf16 by vLLM's top-5 rule, sliding window, odd shapes), then
-# benchmarks/kernels.py, then bench-llama-7b-shape end to end against HF sequential and static batching.
+# benchmarks/kernels.py, then bench-llama-7b-shape end to end against HF sequential and static batching, and with an
+# fp8 KV cache against bf16 at one KV budget.
 # Logs and results go to $OUT when set (the device tool), else benchmarks/results/gpu/.
 #
 #   bash benchmarks/gpu_check.sh [--quick] [--dry-run]
@@ -61,6 +62,7 @@ timeout 200 "$py" -m pytest "${opts[@]}" tests/engine/test_triton_e2e.py tests/e
     tests/engine/test_sliding_window.py tests/engine/test_odd_shapes.py 2>&1 | tee -a "$log" || status=1
 timeout 60 "$py" -m pytest "${opts[@]}" tests/engine/test_bf16.py -k "bf16_greedy and cuda" 2>&1 | tee -a "$log" \
     || status=1
+timeout 60 "$py" -m pytest "${opts[@]}" tests/engine/test_kv_cache_fp8.py -k "cuda" 2>&1 | tee -a "$log" || status=1
 echo "tests: $((SECONDS - start)) s" | tee -a "$log"
 
 sweep=()
@@ -76,5 +78,11 @@ if [ $quick = 0 ]; then
     start=$SECONDS
     PAGEDSERVE_RESULTS_DIR="$dest" timeout 300 "$py" benchmarks/throughput.py "${e2e[@]}" 2>&1 | tee "$dest/throughput.log" || status=1
     echo "end to end: $((SECONDS - start)) s" | tee -a "$dest/throughput.log"
+    # The fp8 KV cache against bf16 at a budget that makes bf16 preempt (the workload peaks near 3000 blocks).
+    fp8=(--model bench-llama-7b-shape --device cuda --kv-mib 8192 --pairs 1)
+    [ $dry = 1 ] && fp8+=(--help)
+    start=$SECONDS
+    PAGEDSERVE_RESULTS_DIR="$dest" timeout 200 "$py" benchmarks/kv_cache_fp8.py "${fp8[@]}" 2>&1 | tee "$dest/kv_cache_fp8.log" || status=1
+    echo "fp8 KV cache: $((SECONDS - start)) s" | tee -a "$dest/kv_cache_fp8.log"
 fi
 exit $status

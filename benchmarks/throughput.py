@@ -40,9 +40,10 @@ from pagedserve.worker.cpu import auto_dtype as cpu_auto_dtype
 
 
 def run_pagedserve(model_dir: str, wl: Workload, max_num_seqs: int, device: str = "cpu", block_size: int = 16,
-                   dtype: str = "float32") -> dict:
+                   dtype: str = "float32", **engine) -> dict:
+    """``engine``: more ``LLM`` arguments (kv_cache_dtype, kv_cache_memory, ...)."""
     llm = LLM(model_dir, skip_tokenizer_init=True, max_num_seqs=max_num_seqs, device=device, block_size=block_size,
-              dtype=dtype)
+              dtype=dtype, **engine)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
