@@ -69,39 +69,50 @@ struct Epilogue {
   }
 };
 
-// y[r][0:ncols] = epilogue(sum_k x[r][k] * p[k][0:32]) for rows r < MR of one panel, fp32 activations. k in pairs,
-// odd before even (see the top), then the last k of an odd K.
-template <int MR, typename B, typename Out>
-void fma_tile(const float* x, int64_t ldx, const int8_t* p, int64_t K, Out* y, int64_t ldy, int64_t ncols,
-              const Epilogue<B>& ep) {
-  f32x16 a0[MR], a1[MR];
-  for (int r = 0; r < MR; ++r) { a0[r] = f32x16{}; a1[r] = f32x16{}; }
+// y[r][32i : 32i + ncols_i] = epilogue_i(sum_k x[r][k] * p_i[k][0:32]) for rows r < MR and NP consecutive panels
+// p_i = p + i K 32 (several panels give one or two rows enough independent FMA chains to stream weights rather than
+// wait on FMA latency; each output is still summed in the same order). fp32 activations; k in pairs, odd before
+// even (see the top), then the last k of an odd K.
+template <int MR, int NP, typename B, typename Out>
+void fma_tile(const float* x, int64_t ldx, const int8_t* p, int64_t K, Out* y, int64_t ldy, const int64_t* ncols,
+              const Epilogue<B>* ep) {
+  f32x16 a0[NP][MR], a1[NP][MR];
+  for (int i = 0; i < NP; ++i)
+    for (int r = 0; r < MR; ++r) { a0[i][r] = f32x16{}; a1[i][r] = f32x16{}; }
   auto step = [&](int64_t k) __attribute__((always_inline)) {
-    const f32x16 w0 = widen_i8(p + k * kQNR), w1 = widen_i8(p + k * kQNR + 16);
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i) {
+      const int8_t* w = p + i * K * kQNR + k * kQNR;
+      const f32x16 w0 = widen_i8(w), w1 = widen_i8(w + 16);
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const f32x16 xv = splat16(x[r * ldx + k]);
-      a0[r] += xv * w0;
-      a1[r] += xv * w1;
+      for (int r = 0; r < MR; ++r) {
+        const f32x16 xv = splat16(x[r * ldx + k]);
+        a0[i][r] += xv * w0;
+        a1[i][r] += xv * w1;
+      }
     }
   };
   const int64_t K2 = K / 2;
   for (int64_t kk = 0; kk < K2; ++kk) {
-    __builtin_prefetch(p + (2 * kk + 32) * kQNR, 0, 3);  // 1 KiB ahead: the hardware prefetcher stops at pages
+    for (int i = 0; i < NP; ++i)  // 1 KiB ahead: the hardware prefetcher stops at pages
+      __builtin_prefetch(p + i * K * kQNR + (2 * kk + 32) * kQNR, 0, 3);
     step(2 * kk + 1);
     step(2 * kk);
   }
   if (K % 2) step(K - 1);
-  for (int r = 0; r < MR; ++r) ep.store(y + r * ldy, a0[r], a1[r], ncols);
+  for (int i = 0; i < NP; ++i)
+    for (int r = 0; r < MR; ++r) ep[i].store(y + r * ldy + i * kQNR, a0[i][r], a1[i][r], ncols[i]);
 }
 
 template <typename B, typename Out>
-using FmaTileFn = void (*)(const float*, int64_t, const int8_t*, int64_t, Out*, int64_t, int64_t,
-                           const Epilogue<B>&);
+using FmaTileFn = void (*)(const float*, int64_t, const int8_t*, int64_t, Out*, int64_t, const int64_t*,
+                           const Epilogue<B>*);
 template <typename B, typename Out>
-constexpr FmaTileFn<B, Out> kFmaTiles[9] = {nullptr, fma_tile<1, B, Out>, fma_tile<2, B, Out>, fma_tile<3, B, Out>,
-                                            fma_tile<4, B, Out>, fma_tile<5, B, Out>, fma_tile<6, B, Out>,
-                                            fma_tile<7, B, Out>, fma_tile<8, B, Out>};
+constexpr FmaTileFn<B, Out> kFmaTiles[9] = {
+    nullptr, fma_tile<1, 1, B, Out>, fma_tile<2, 1, B, Out>, fma_tile<3, 1, B, Out>, fma_tile<4, 1, B, Out>,
+    fma_tile<5, 1, B, Out>, fma_tile<6, 1, B, Out>, fma_tile<7, 1, B, Out>, fma_tile<8, 1, B, Out>};
+// Panels per tile for a block of 1 or 2 rows: 8 accumulators, as a 4-row tile has.
+constexpr int kWidePanels1 = 4, kWidePanels2 = 2;
 
 // Rows of a block in tiles of mr, a remainder above mr split into two near-equal tiles (a one-row tile is
 // latency-bound).
@@ -132,14 +143,34 @@ template <typename B, typename Out>
 void fma_run(const float* x, int64_t ldx, const int8_t* pp, const float* scale, const B* bias, int64_t M, int64_t K,
              int64_t P, int64_t N, Out* y) {
   const int64_t mr = kQMR;
-  for_units(M, P, block_rows(M, kQMC, mr), [&](int64_t m0, int64_t m1, int64_t j) {
-    const int64_t n0 = j * kQNR, ncols = std::min(kQNR, N - n0);
-    const Epilogue<B> ep(scale + n0, bias ? bias + n0 : nullptr, ncols);
-    for (int64_t m = m0; m < m1;) {
-      const int64_t rows = next_rows(m1 - m, mr);
-      kFmaTiles<B, Out>[rows](x + m * ldx, ldx, pp + j * K * kQNR, K, y + m * N + n0, N, ncols, ep);
-      m += rows;
+  // Decode with one or two rows: units of np panels, run by one wide tile (or narrow ones for a short last group).
+  const int64_t np = M == 1 ? kWidePanels1 : M == 2 ? kWidePanels2 : 1, groups = (P + np - 1) / np;
+  for_units(M, groups, block_rows(M, kQMC, mr), [&](int64_t m0, int64_t m1, int64_t g) {
+    const int64_t j0 = g * np, j1 = std::min(P, j0 + np);
+    int64_t ncols[kWidePanels1];
+    std::vector<Epilogue<B>> eps;
+    eps.reserve(j1 - j0);
+    for (int64_t j = j0; j < j1; ++j) {
+      ncols[j - j0] = std::min(kQNR, N - j * kQNR);
+      eps.emplace_back(scale + j * kQNR, bias ? bias + j * kQNR : nullptr, ncols[j - j0]);
     }
+    const int8_t* p = pp + j0 * K * kQNR;
+    Out* yb = y + j0 * kQNR;
+    if (j1 - j0 == np && np == kWidePanels1) {
+      fma_tile<1, kWidePanels1, B, Out>(x + m0 * ldx, ldx, p, K, yb + m0 * N, N, ncols, eps.data());
+      return;
+    }
+    if (j1 - j0 == np && np == kWidePanels2) {
+      fma_tile<2, kWidePanels2, B, Out>(x + m0 * ldx, ldx, p, K, yb + m0 * N, N, ncols, eps.data());
+      return;
+    }
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t m = m0; m < m1;) {
+        const int64_t rows = next_rows(m1 - m, mr);
+        kFmaTiles<B, Out>[rows](x + m * ldx, ldx, p + (j - j0) * K * kQNR, K, yb + m * N + (j - j0) * kQNR, N,
+                                ncols + (j - j0), eps.data() + (j - j0));
+        m += rows;
+      }
   });
 }
 
