@@ -61,6 +61,12 @@ def main() -> None:
     bandwidth = read_bandwidth()
     print(f"memory read rate: {bandwidth / 1e9:.1f} GB/s")
     results = []
+
+    def save() -> str:  # after every row: a run cut short keeps what it measured
+        return save_results("quant", {"device": "cpu", "threads": torch.get_num_threads(),
+                                      "memory_read_gb_s": bandwidth / 1e9, "prompt_len": args.prompt_len,
+                                      "output_len": args.output_len, "results": results})
+
     for name in args.models:
         path = reference_model(name)
         llms = {q or "bf16": LLM(path, dtype="bfloat16", quantization=q, enable_prefix_caching=False,
@@ -88,14 +94,12 @@ def main() -> None:
             print(f"{name} batch {batch}: bf16 {row['bf16']['decode_tok_s']:.1f} tok/s "
                   f"({row['bf16']['weight_gb_s']:.1f} GB/s), int8 {row['int8']['decode_tok_s']:.1f} tok/s "
                   f"({row['int8']['weight_gb_s']:.1f} GB/s): {row['speedup']:.2f}x", flush=True)
+            save()
         for llm in llms.values():
             llm.shutdown()
         del llms
         gc.collect()
-    path = save_results("quant", {"device": "cpu", "threads": torch.get_num_threads(),
-                                  "memory_read_gb_s": bandwidth / 1e9, "prompt_len": args.prompt_len,
-                                  "output_len": args.output_len, "results": results})
-    print(f"saved {path}")
+    print(f"saved {save()}")
 
 
 if __name__ == "__main__":
