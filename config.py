@@ -10,6 +10,10 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
+# Weight-only int8 with per-output-channel scales, quantized at load from a full-precision checkpoint.
+QUANTIZATION_METHODS = ("int8",)
+
+
 def default_model_dir() -> str:
     """The bundled demo model, used when no model is given."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo-model")
@@ -24,6 +28,7 @@ class ModelConfig:
     weight_files: list[str]
     eos_token_ids: list[int]
     tokenizer: str  # its directory (the model's unless given)
+    quantization: str | None = None  # one of QUANTIZATION_METHODS: weights quantized at load
 
     @property
     def architecture(self) -> str:

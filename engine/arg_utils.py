@@ -10,6 +10,7 @@ from dataclasses import MISSING, dataclass, field, fields
 import torch
 
 from pagedserve.config import (
+    QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
     ParallelConfig,
@@ -19,7 +20,7 @@ from pagedserve.config import (
     StructuredOutputsConfig,
     default_model_dir,
 )
-from pagedserve.engine.model_config import check_tensor_parallel, load_model_config
+from pagedserve.engine.model_config import check_quantization, check_tensor_parallel, load_model_config
 from pagedserve.kernels import BACKENDS, KV_CACHE_DTYPES, default_backend
 from pagedserve.worker.layers.attention import kv_sliding_window
 from pagedserve.worker.models.registry import check_architecture
@@ -42,6 +43,9 @@ class EngineArgs:
     skip_tokenizer_init: bool = _arg(False, "token ids in, token ids out (no text)")
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (Ray worker actors)", aliases=["-tp"])
     dtype: str = _arg("auto", "model and KV-cache dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    quantization: str | None = _arg(None, "quantize the weights at load: int8 = weight-only int8, per output "
+                                          "channel (embeddings and LM head stay in --dtype)",
+                                    choices=list(QUANTIZATION_METHODS), aliases=["-q"])
     device: str = _arg("auto", "auto: cuda when available, else cpu", choices=["auto", "cpu", "cuda"])
     seed: int = _arg(0, "engine seed (per-request seeds come from the sampling parameters)")
     block_size: int = _arg(16, "tokens per KV-cache block", choices=list(BLOCK_SIZES))
@@ -126,6 +130,9 @@ class EngineArgs:
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         check_kv_cache_dtype(self.kv_cache_dtype, device)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got "
+                             f"{self.quantization!r}")
         backend = self.attention_backend or default_backend(device)
         if backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)}, got {backend!r}")
@@ -140,6 +147,9 @@ class EngineArgs:
                                          torch.device(device), self.tokenizer)
         check_architecture(model_config.hf_config)
         check_tensor_parallel(model_config.hf_config, self.tensor_parallel_size)
+        if self.quantization:
+            check_quantization(model_config.hf_config, self.quantization)
+            model_config.quantization = self.quantization
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
         if batched is None:

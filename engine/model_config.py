@@ -81,3 +81,15 @@ def check_tensor_parallel(hf_config, tp: int) -> None:
              or getattr(hf_config, "n_inner", None) or 4 * hf_config.hidden_size)
     if inter % tp:
         raise ValueError(f"the MLP width ({inter}) is not divisible by tensor_parallel_size ({tp})")
+
+
+def check_quantization(hf_config, method: str) -> None:
+    """Fail before any worker starts where ``quantization=method`` cannot apply: the checkpoint is quantized
+    already (its weights are not the full-precision ones quantizing at load starts from)."""
+    existing = getattr(hf_config, "quantization_config", None)
+    if existing:
+        found = (existing.get("quant_method", "?") if isinstance(existing, dict)
+                 else getattr(existing, "quant_method", "?"))
+        raise ValueError(f"quantization={method!r} quantizes a full-precision (bf16/fp16/fp32) checkpoint at load, "
+                         f"but this checkpoint is already quantized (quantization_config: {found}); leave "
+                         "quantization unset")

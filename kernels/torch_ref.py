@@ -1,4 +1,4 @@
-"""Torch reference ops for the paged KV cache.
+"""Torch reference ops: the paged KV cache, and the weight-only int8 linear.
 
 These define the semantics every other backend (Triton) must reproduce exactly.
 
@@ -215,3 +215,23 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     out = logits.clone()
     out[rows] = torch.where(allowed, logits[rows], float("-inf"))
     return out
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of ``weight [N, K]``: ``q = round(w / scale)`` (to nearest even) with
+    ``scale = absmax(row) / 127`` in fp32 (1 for an all-zero row), so that ``q * scale`` is the dequantized weight."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Weight-only int8 linear: ``(x @ q.T) * scale + bias`` for int8 ``weight [N, K]`` and fp32 ``scale [N]``,
+    summed in fp32 and rounded once to ``out_dtype`` (default: x's dtype): what the dequantized model computes."""
+    y = F.linear(x.float(), weight.float()) * scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)

@@ -5,6 +5,7 @@
 #include "fused.h"
 #include "gemm.h"
 #include "gemm_bf16.h"
+#include "gemm_int8.h"
 #include "layer.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,4 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16", &ps::gemm_bf16);
   m.def("gemm_bf16_built", &ps::gemm_bf16_built);
   m.def("llama_layer", &ps::llama_layer);
+  m.def("gemm_int8", &ps::gemm_int8);
+  m.def("gemm_int8_dp_built", &ps::gemm_int8_dp_built);
 }

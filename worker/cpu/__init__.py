@@ -31,4 +31,4 @@ def prepare_model(model: nn.Module, backend: ModuleType) -> None:
         pack_linears(model)
         attach_decoder_layers(model)
     else:
-        pack_linears(model, panels=False, bf16_panels=False)
+        pack_linears(model, panels=False, bf16_panels=False, int8_panels=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_layer
+from pagedserve.kernels import cpu_gemm, cpu_gemm_bf16, cpu_layer
 from pagedserve.worker.forward_context import get_attn_metadata
 from pagedserve.worker.layers.activation import SiluAndMul
 from pagedserve.worker.layers.layernorm import RMSNorm
@@ -30,7 +30,8 @@ def _llama_shaped(layer: nn.Module) -> bool:
 
 
 def _layer_weights(layer: nn.Module) -> cpu_layer.LayerWeights | None:
-    """One layer's weights for the C++ layer, or None where it does not apply: weights not packed in panels,
+    """One layer's weights for the C++ layer, or None where it does not apply: weights not packed in fp32 or bf16
+    panels (int8 ones run layer by layer),
     more than one tensor-parallel rank, sizes the kernels do not take (``cpu_layer.takes``), a sliding window or
     soft-cap, or a layer that is not exactly LLaMA's."""
     if not _llama_shaped(layer):
@@ -40,7 +41,8 @@ def _layer_weights(layer: nn.Module) -> cpu_layer.LayerWeights | None:
     panels = [getattr(m, "panel_weight", None) for m in linears]
     rope, qkv = att.rotary_emb, att.qkv_proj
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    if (any(p is None for p in panels) or att.o_proj.tp_size != 1
+    if (not all(isinstance(p, (cpu_gemm.PanelWeight, cpu_gemm_bf16.BF16PanelWeight)) for p in panels)
+            or att.o_proj.tp_size != 1
             or not cpu_layer.takes(qkv.num_heads, qkv.num_kv_heads, qkv.head_size, rope.rotary_dim)
             or len({p.panels.dtype for p in panels}) != 1 or any(w.dtype != panels[0].panels.dtype for w in norms)
             or rope.cos.dtype != torch.float32

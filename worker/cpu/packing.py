@@ -4,9 +4,10 @@
 ``F.linear`` (MKL sgemm) repacks the weight on every call; at decode batch sizes that repacking is a large share of
 the call. fp32 weights go into 16-column panels for ``kernels/cpu_gemm.py`` on AVX2 CPUs without AVX-512 (faster
 than oneDNN's prepacked linear at decode batch sizes there); bf16 weights into k-pair panels for
-``kernels/cpu_gemm_bf16.py`` on CPUs with AVX512-BF16; elsewhere oneDNN's blocked layout. The packed weight replaces
-the plain one (same memory), except where the weight is shared (a tied LM head): that one is kept for the other
-users and packed as a copy.
+``kernels/cpu_gemm_bf16.py`` on CPUs with AVX512-BF16; int8 weights (``quantization="int8"``) into int8 panels
+for ``kernels/cpu_gemm_int8.py``; elsewhere oneDNN's blocked layout (int8 ones: the torch reference). The packed
+weight replaces the plain one (same memory), except where the weight is shared (a tied LM head): that one is kept
+for the other users and packed as a copy.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_gemm, cpu_gemm_bf16
+from pagedserve.kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_int8
 from pagedserve.worker.cpu.cpuinfo import cpu_flags
 from pagedserve.worker.cpu.hugepages import empty_huge_pages
 
@@ -43,7 +44,7 @@ def panel_gemm_preferred(flags: set[str] | None = None) -> bool:
 
 
 def _panel_kernel(w: torch.Tensor):
-    return cpu_gemm_bf16 if w.dtype == torch.bfloat16 else cpu_gemm
+    return {torch.bfloat16: cpu_gemm_bf16, torch.int8: cpu_gemm_int8}.get(w.dtype, cpu_gemm)
 
 
 class _PanelArena:
@@ -55,17 +56,25 @@ class _PanelArena:
         self.buffer = empty_huge_pages((sum(sizes),), weights[0].dtype)
         self.used = 0
 
-    def pack(self, w: torch.Tensor) -> cpu_gemm.PanelWeight | cpu_gemm_bf16.BF16PanelWeight:
+    def pack(self, module: nn.Module, w: torch.Tensor) -> PanelWeight:
         kernel = _panel_kernel(w)
         shape = kernel.panel_shape(w)
         n = math.prod(shape)
         out = self.buffer[self.used:self.used + n].view(shape)
         self.used += n
+        if w.dtype == torch.int8:
+            return cpu_gemm_int8.pack_weight(w, module.weight_scale.detach(), out)
         return kernel.pack_weight(w, out)
 
 
-def _packer(w: torch.Tensor, panels: bool, bf16_panels: bool) -> str | None:
-    """The attribute a packed copy of this weight goes to, or None to keep ``F.linear``."""
+PanelWeight = cpu_gemm.PanelWeight | cpu_gemm_bf16.BF16PanelWeight | cpu_gemm_int8.Int8PanelWeight
+
+
+def _packer(w: torch.Tensor, panels: bool, bf16_panels: bool, int8_dtype: torch.dtype | None) -> str | None:
+    """The attribute a packed copy of this weight goes to, or None to keep ``F.linear`` (the torch reference for
+    int8). ``int8_dtype``: the activations' dtype where int8 weights go to the int8 panel GEMM, else None."""
+    if w.dtype == torch.int8:
+        return "panel_weight" if int8_dtype is not None and cpu_gemm_int8.supports(w, int8_dtype) else None
     if (w.dtype == torch.float32 and panels) or (bf16_panels and cpu_gemm_bf16.packable(w)):
         return "panel_weight"
     if w.dtype in packable_dtypes():
@@ -74,18 +83,25 @@ def _packer(w: torch.Tensor, panels: bool, bf16_panels: bool) -> str | None:
 
 
 def pack_linears(model: nn.Module, batch_hint: int = 128, panels: bool | None = None,
-                 bf16_panels: bool | None = None) -> int:
+                 bf16_panels: bool | None = None, int8_panels: bool | None = None) -> int:
     """Pack every linear weight; returns how many modules got a packed weight. A weight only its layer uses is replaced
     by its packed copy. A shared one (a tied LM head: the embedding reads the same tensor) stays, and its packed copy is
     made once and given to every packable module that shares it, as vLLM's CPU backend does: one more copy of the
     vocabulary matrix, for an LM head that ``F.linear`` runs far slower (its MKL call repacks the weight each time).
     ``panels``: use the C++ panel GEMM for fp32 (default: where :func:`panel_gemm_preferred`); ``bf16_panels``: the
-    AVX512-BF16 one for bf16 (default: where it is built). Both need the C++ extension; with neither, every weight goes
-    to oneDNN's layout."""
+    AVX512-BF16 one for bf16 (default: where it is built); ``int8_panels``: the int8 one for int8 weights (default:
+    where the extension builds). All need the C++ extension; with none, every weight goes to oneDNN's layout, int8
+    ones stay for the torch reference."""
     if panels is None:
         panels = panel_gemm_preferred()
     if bf16_panels is None:
         bf16_panels = cpu_gemm_bf16.available()
+    if int8_panels is None:
+        int8_panels = cpu_gemm_int8.available()
+    # The activations' dtype: the model's, which its scales (always fp32) do not tell.
+    model_dtype = next((p.dtype for n, p in model.named_parameters() if p.is_floating_point()
+                        and not n.endswith("weight_scale")), torch.float32)
+    int8_dtype = model_dtype if int8_panels else None
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
@@ -94,7 +110,7 @@ def pack_linears(model: nn.Module, batch_hint: int = 128, panels: bool | None = 
         w = getattr(module, "weight", None)
         if not getattr(module, "packable", False) or w is None or w.device.type != "cpu" or w.dim() != 2:
             continue
-        attr = _packer(w, panels, bf16_panels)
+        attr = _packer(w, panels, bf16_panels, int8_dtype)
         if attr is not None:
             todo.append((module, w, attr))
     unique = {id(w): w for _, w, attr in todo if attr == "panel_weight"}
@@ -104,7 +120,7 @@ def pack_linears(model: nn.Module, batch_hint: int = 128, panels: bool | None = 
     extra = 0
     for module, w, attr in todo:
         if id(w) not in shared:
-            shared[id(w)] = arenas[w.dtype].pack(w.detach()) if attr == "panel_weight" else \
+            shared[id(w)] = arenas[w.dtype].pack(module, w.detach()) if attr == "panel_weight" else \
                 torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
             if counts.get(id(w), 0) > 1:
                 extra += w.numel() * w.element_size()

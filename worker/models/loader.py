@@ -1,4 +1,5 @@
-"""Build a model from a config and stream its safetensors weights into the weight loaders."""
+"""Build a model from a config, stream its safetensors weights into the weight loaders, then quantize it where
+asked."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -8,6 +9,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.config import ModelConfig
+from pagedserve.worker.layers.quantization import quantize_linears
 from pagedserve.worker.models.registry import get_model_class
 from pagedserve.worker.models.weights import LazyWeight
 
@@ -29,4 +31,6 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     finally:
         torch.set_default_dtype(prev)
     model.load_weights(iterate_weights(model_config.weight_files))
+    if model_config.quantization:
+        quantize_linears(model, model_config.quantization)
     return model.eval()
