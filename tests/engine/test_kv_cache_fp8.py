@@ -105,6 +105,22 @@ def test_fp8_cache_under_tensor_parallel_equals_one_rank(ray_cluster, model_fact
     assert one == two
 
 
+def test_fp8_cache_and_int8_weights_together_on_a_moe_model(model_factory):
+    """Both options on Mixtral (experts quantized like any linear, the router not): greedy tokens stay within the
+    top-5 rule of the plain bf16 model's."""
+    model_dir = model_factory("mixtral")
+    prompts = random_prompts(4, seed=14)
+    with LLM(model_dir, dtype="bfloat16") as llm:
+        ref, ref_tops = greedy_with_tops(llm, prompts)
+    with LLM(model_dir, dtype="bfloat16", kv_cache_dtype="fp8", quantization="int8") as llm:
+        model = runner(llm).model
+        experts = [m for n, m in model.named_modules() if n.endswith("experts.0.down_proj")]
+        assert experts and experts[0].weight_scale is not None
+        ours, our_tops = greedy_with_tops(llm, prompts)
+    for o, ot, r_, rt in zip(ours, our_tops, ref, ref_tops):
+        assert_close_greedy(o, ot, r_, rt)
+
+
 def test_bad_kv_cache_dtype_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(kv_cache_dtype="fp4").create_engine_config()

@@ -93,6 +93,16 @@ def test_serve_takes_the_model_positionally():
         run(ns)
 
 
+def test_serve_takes_vllms_quantization_and_kv_cache_dtype_flags():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    ns = p.parse_args(["/models/x", "--quantization", "int8", "--kv-cache-dtype", "fp8_e5m2"])
+    assert ns.quantization == "int8" and ns.kv_cache_dtype == "fp8_e5m2"
+    for bad in (["--quantization", "awq"], ["--kv-cache-dtype", "fp4"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(["/models/x", *bad])
+
+
 def test_unauthenticated_ray_exposure():
     assert unauthenticated_exposure("10.0.0.5:6379", token_auth=True) is None
     assert unauthenticated_exposure("127.0.0.1:6379", token_auth=False) is None
