@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels import cpu_extension
+from pagedserve.kernels.torch_ref import FP8_DTYPES
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -80,11 +81,12 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 
 def reshape_and_cache_supported(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor) -> bool:
-    """Whether :func:`reshape_and_cache` takes these tensors: CPU fp32, bf16 or uint8 (fp8 bytes) ``key`` and
-    ``value [T, Hkv, D]`` of the caches' dtype, each token's heads contiguous (tokens may be strided); contiguous
-    caches ``[N, bs, Hkv, D]`` of one shape; the extension built. Any head count and size (rows are copied whole)."""
-    return (_cpu(key, value, k_cache, v_cache, dtypes=(*_DTYPES, torch.uint8))
-            and key.dtype == k_cache.dtype and value.dtype == v_cache.dtype
+    """Whether :func:`reshape_and_cache` takes these tensors: CPU fp32 or bf16 ``key`` and ``value [T, Hkv, D]`` of
+    the caches' dtype or for fp8 caches, each token's heads contiguous (tokens may be strided); contiguous caches
+    ``[N, bs, Hkv, D]`` of one shape; the extension built. Any head count and size (rows are copied whole)."""
+    return (_cpu(key, value) and _cpu(k_cache, v_cache, dtypes=(*_DTYPES, *FP8_DTYPES))
+            and key.dtype == value.dtype and k_cache.dtype == v_cache.dtype
+            and (key.dtype == k_cache.dtype or k_cache.dtype in FP8_DTYPES)
             and key.dim() == 3 and key.shape == value.shape and k_cache.dim() == 4
             and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == tuple(key.shape[1:])
             and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
@@ -92,9 +94,10 @@ def reshape_and_cache_supported(key: torch.Tensor, value: torch.Tensor, k_cache:
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """Where :func:`reshape_and_cache_supported`; ``slot_mapping`` int64, one slot per token (-1: skip)."""
-    cpu_extension.load().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Where :func:`reshape_and_cache_supported`; ``slot_mapping`` int64, one slot per token (-1: skip); an fp8
+    cache stores rows divided by their scale (``torch_ref.reshape_and_cache``)."""
+    cpu_extension.load().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def apply_token_bitmask_supported(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> bool:

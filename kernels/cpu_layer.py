@@ -1,4 +1,5 @@
-"""A whole LLaMA-style decoder layer in one C++ call, for CPU fp32 or bf16 with panel-packed weights and one rank.
+"""A whole LLaMA-style decoder layer in one C++ call, for CPU fp32 or bf16 with panel-packed weights (or int8
+panels) and one rank, over a cache of the activations' dtype or fp8.
 
 It runs the same kernels as the Python modules, in the same order, on the same buffers (so its results are
 bitwise those of the module path), without the ~12 module calls, shape checks and allocations around them that
@@ -13,15 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import cpu_extension, cpu_ops
+from pagedserve.kernels.torch_ref import FP8_DTYPES
 
 _NONE = torch.empty(0)
 
 
 def supported(md, k_cache: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether this step can take the one-call layers: the C++ attention backend, fp32 or bf16 activations and
-    cache of one dtype."""
-    return md.backend is cpu_ops and x.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == x.dtype \
-        and x.device.type == "cpu"
+    """Whether this step can take the one-call layers: the C++ attention backend, fp32 or bf16 activations, a
+    cache of their dtype or fp8."""
+    return md.backend is cpu_ops and x.dtype in (torch.float32, torch.bfloat16) \
+        and k_cache.dtype in (x.dtype, *FP8_DTYPES) and x.device.type == "cpu"
 
 
 def takes(num_heads: int, num_kv_heads: int, head_size: int, rotary_dim: int) -> bool:
@@ -40,7 +42,9 @@ class LayerWeights:
     ln1: torch.Tensor
     ln2: torch.Tensor
     eps: float
-    weights: list[torch.Tensor]  # panels of qkv, o_proj, gate_up, down (cpu_gemm's fp32 or cpu_gemm_bf16's bf16)
+    weights: list[torch.Tensor]  # panels of qkv, o_proj, gate_up, down (cpu_gemm's fp32, cpu_gemm_bf16's bf16 or
+    # cpu_gemm_int8's int8)
+    scales: list[torch.Tensor]  # an int8 weight's per-channel scales, empty for the others
     biases: list[torch.Tensor]  # each empty where the layer has none
     dims: list[int]  # heads, KV heads, head size, rotary dims, out features of qkv, o_proj, gate_up, down
     cos: torch.Tensor
@@ -49,10 +53,12 @@ class LayerWeights:
 
 
 def llama_layer(lw: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, md) -> tuple[torch.Tensor, torch.Tensor]:
-    """``positions`` int64 contiguous; ``md`` the step's attention metadata (int32 tables, int64 slots)."""
+                k_cache: torch.Tensor, v_cache: torch.Tensor, md, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``positions`` int64 contiguous; ``md`` the step's attention metadata (int32 tables, int64 slots);
+    ``k_scale``, ``v_scale`` an fp8 cache's."""
     out, residual = cpu_extension.load().llama_layer(
-        x, _NONE if residual is None else residual, positions, lw.ln1, lw.ln2, lw.eps, lw.weights, lw.biases,
-        lw.dims, lw.cos, lw.sin, k_cache, v_cache, md.slot_mapping, md.block_tables, md.query_start_loc,
-        md.seq_lens, lw.scale)
+        x, _NONE if residual is None else residual, positions, lw.ln1, lw.ln2, lw.eps, lw.weights, lw.scales,
+        lw.biases, lw.dims, lw.cos, lw.sin, k_cache, v_cache, md.slot_mapping, md.block_tables, md.query_start_loc,
+        md.seq_lens, lw.scale, k_scale, v_scale)
     return out, residual

@@ -7,13 +7,9 @@ from pagedserve.kernels.torch_ref import copy_blocks, swap_blocks  # noqa: F401
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
-    if torch_ref.is_fp8(k_cache):  # quantized here; then placed as bytes
-        key = torch_ref.as_bits(torch_ref.quantize_fp8(key, k_scale, k_cache.dtype))
-        value = torch_ref.as_bits(torch_ref.quantize_fp8(value, v_scale, v_cache.dtype))
-        k_cache, v_cache = torch_ref.as_bits(k_cache), torch_ref.as_bits(v_cache)
     if cpu_fused.reshape_and_cache_supported(key, value, k_cache, v_cache):
-        return cpu_fused.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping.long())
-    return torch_ref.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        return cpu_fused.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping.long(), k_scale, v_scale)
+    return torch_ref.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None, *,

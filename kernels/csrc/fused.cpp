@@ -7,6 +7,10 @@
 
 #include "fused.h"
 
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <limits>
+
 namespace ps {
 
 inline int64_t grain(int64_t work_per_row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, work_per_row)); }
@@ -168,23 +172,49 @@ void rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Te
   });
 }
 
+// One row of fp32 or bf16 values as fp8 bytes: x / scale saturated to F's finite range, rounded to nearest even by
+// c10's conversion (torch's own, so the bytes equal torch_ref's).
+template <typename F, typename T>
+void quantize_row(const T* x, uint8_t* dst, int64_t n, float scale) {
+  const float bound = float(std::numeric_limits<F>::max());
+  for (int64_t i = 0; i < n; ++i) dst[i] = F(std::clamp(load1(x + i) / scale, -bound, bound)).x;
+}
+
 // k_cache[slot] = key[t], v_cache[slot] = value[t] for every token with slot >= 0; key/value rows may be strided.
+// Caches of the rows' dtype take them as they are; fp8 caches take them quantized (see fused.h).
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-                       torch::Tensor slot_mapping) {
+                       torch::Tensor slot_mapping, double k_scale, double v_scale) {
   TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && key.stride(1) == key.size(2));
   TORCH_CHECK(value.dim() == 3 && value.stride(2) == 1 && value.stride(1) == value.size(2));
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.scalar_type() == torch::kLong);
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type());
+  const auto cache_type = k_cache.scalar_type();
+  const bool fp8 = cache_type == torch::kFloat8_e4m3fn || cache_type == torch::kFloat8_e5m2;
+  TORCH_CHECK(v_cache.scalar_type() == cache_type && value.scalar_type() == key.scalar_type());
+  TORCH_CHECK(key.scalar_type() == cache_type || fp8, "rows of the cache's dtype, or any for an fp8 cache");
   const int64_t T = key.size(0), row = key.size(1) * key.size(2);
   TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == row);
   auto slots_c = slot_mapping.contiguous();
   const int64_t* slots = slots_c.data_ptr<int64_t>();
-  const int64_t bytes = row * key.element_size();
+  const int64_t bytes = row * k_cache.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* kp = static_cast<const char*>(key.data_ptr());
   const char* vp = static_cast<const char*>(value.data_ptr());
   const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  if (fp8 && key.scalar_type() != cache_type) {
+    PS_DISPATCH(key.scalar_type(), [&] {
+      auto quantize = cache_type == torch::kFloat8_e4m3fn ? quantize_row<c10::Float8_e4m3fn, scalar>
+                                                          : quantize_row<c10::Float8_e5m2, scalar>;
+      for (int64_t t = 0; t < T; ++t) {  // a step's few rows: one thread
+        if (slots[t] < 0) continue;
+        quantize(reinterpret_cast<const scalar*>(kp + t * ks), reinterpret_cast<uint8_t*>(kc + slots[t] * bytes),
+                 row, float(k_scale));
+        quantize(reinterpret_cast<const scalar*>(vp + t * vs), reinterpret_cast<uint8_t*>(vc + slots[t] * bytes),
+                 row, float(v_scale));
+      }
+    });
+    return;
+  }
   // On both threads: each row lands on cache lines not yet in cache.
   at::parallel_for(0, T, 32, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {

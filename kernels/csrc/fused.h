@@ -10,8 +10,9 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 void silu_and_mul(torch::Tensor x, torch::Tensor out);
 void rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
             int64_t rot);
+// An fp8 cache stores key / k_scale (value / v_scale) saturated to the format's range, rounded to nearest even.
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-                       torch::Tensor slot_mapping);
+                       torch::Tensor slot_mapping, double k_scale = 1.0, double v_scale = 1.0);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
 void argmax_rows(torch::Tensor x, torch::Tensor out);
 

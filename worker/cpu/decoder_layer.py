@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_gemm, cpu_gemm_bf16, cpu_layer
+from pagedserve.kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_int8, cpu_layer
 from pagedserve.worker.forward_context import get_attn_metadata
 from pagedserve.worker.layers.activation import SiluAndMul
 from pagedserve.worker.layers.layernorm import RMSNorm
@@ -30,10 +30,9 @@ def _llama_shaped(layer: nn.Module) -> bool:
 
 
 def _layer_weights(layer: nn.Module) -> cpu_layer.LayerWeights | None:
-    """One layer's weights for the C++ layer, or None where it does not apply: weights not packed in fp32 or bf16
-    panels (int8 ones run layer by layer),
-    more than one tensor-parallel rank, sizes the kernels do not take (``cpu_layer.takes``), a sliding window or
-    soft-cap, or a layer that is not exactly LLaMA's."""
+    """One layer's weights for the C++ layer, or None where it does not apply: weights not packed in panels of the
+    activations' dtype (the norms') or int8 ones, more than one tensor-parallel rank, sizes the kernels do not take
+    (``cpu_layer.takes``), a sliding window or soft-cap, or a layer that is not exactly LLaMA's."""
     if not _llama_shaped(layer):
         return None
     att, mlp = layer.self_attn, layer.mlp
@@ -41,17 +40,21 @@ def _layer_weights(layer: nn.Module) -> cpu_layer.LayerWeights | None:
     panels = [getattr(m, "panel_weight", None) for m in linears]
     rope, qkv = att.rotary_emb, att.qkv_proj
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    if (not all(isinstance(p, (cpu_gemm.PanelWeight, cpu_gemm_bf16.BF16PanelWeight)) for p in panels)
+    act = norms[0].dtype
+    if (not all(isinstance(p, cpu_gemm_int8.Int8PanelWeight) or (
+                isinstance(p, (cpu_gemm.PanelWeight, cpu_gemm_bf16.BF16PanelWeight)) and p.panels.dtype == act)
+                for p in panels)
+            or act not in (torch.float32, torch.bfloat16) or norms[1].dtype != act
             or att.o_proj.tp_size != 1
             or not cpu_layer.takes(qkv.num_heads, qkv.num_kv_heads, qkv.head_size, rope.rotary_dim)
-            or len({p.panels.dtype for p in panels}) != 1 or any(w.dtype != panels[0].panels.dtype for w in norms)
             or rope.cos.dtype != torch.float32
             or layer.input_layernorm.eps != layer.post_attention_layernorm.eps
             or att.attn.sliding_window is not None or att.attn.logits_soft_cap is not None):
         return None
     biases = [m.bias.detach() if m.bias is not None else torch.empty(0) for m in linears]
     return cpu_layer.LayerWeights(
-        *norms, layer.input_layernorm.eps, [p.panels for p in panels], biases,
+        *norms, layer.input_layernorm.eps, [p.panels for p in panels],
+        [getattr(p, "scale", torch.empty(0)) for p in panels], biases,
         [qkv.num_heads, qkv.num_kv_heads, qkv.head_size, rope.rotary_dim, *(p.out_features for p in panels)],
         rope.cos, rope.sin, att.attn.scale)
 
@@ -70,7 +73,7 @@ class CPUDecoderLayers:
         return cls(layers, weights) if weights and all(weights) else None
 
     def supports(self, x: torch.Tensor) -> bool:
-        """Whether this step can run here: the C++ attention backend, one dtype for activations and KV cache."""
+        """Whether this step can run here: the C++ attention backend, a KV cache of the activations' dtype or fp8."""
         return cpu_layer.supported(get_attn_metadata(), self.layers[0].self_attn.attn.k_cache, x)
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +83,8 @@ class CPUDecoderLayers:
         residual = None
         for layer, weights in zip(self.layers, self.weights):
             attn = layer.self_attn.attn
-            x, residual = cpu_layer.llama_layer(weights, x, residual, positions, attn.k_cache, attn.v_cache, md)
+            x, residual = cpu_layer.llama_layer(weights, x, residual, positions, attn.k_cache, attn.v_cache, md,
+                                                attn.k_scale, attn.v_scale)
         return x, residual
 
 
