@@ -70,7 +70,7 @@ def main() -> None:
     for name in args.models:
         path = reference_model(name)
         llms = {q or "bf16": LLM(path, dtype="bfloat16", quantization=q, enable_prefix_caching=False,
-                                 max_model_len=512) for q in (None, "int8")}
+                                 max_model_len=512, kv_cache_memory=1 << 30) for q in (None, "int8")}
         vocab = llms["bf16"].llm_engine.config.model_config.vocab_size
         nbytes = {k: weight_bytes_per_step(v) for k, v in llms.items()}
         rng = random.Random(0)

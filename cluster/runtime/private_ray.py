@@ -26,6 +26,8 @@ from ray._private.authentication.authentication_token_setup import (
     ensure_token_if_auth_enabled,
 )
 
+from pagedserve.engine.executor.ray_utils import ray_env
+
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -66,7 +68,7 @@ class PrivateRay:
         ensure_token_if_auth_enabled(None, create_token_if_missing=True)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_die_with_parent, env=ray_env())
         address = f"127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

@@ -43,6 +43,8 @@ def test_signal_drains_and_leaves_nothing(llama_dir, target, sig):
             c.wait_for_health("SERVING", 180, check=lambda: _alive(proc))
             descendants = _descendants(proc.pid)
             assert any("ray" in " ".join(p.cmdline()) for p in descendants), "no private Ray under the server"
+            engines = [p for p in descendants if "EngineCoreActor" in p.name() + " ".join(p.cmdline())]
+            assert engines and all(p.nice() == 0 for p in engines)  # not Ray's default 15 for workers
             stream = c.stream("class", max_tokens=150, temperature=0.0, ignore_eos=True)
             tokens = [len(next(stream).completions[0].token_ids)]
             rest = threading.Thread(target=lambda: tokens.extend(len(r.completions[0].token_ids) for r in stream))

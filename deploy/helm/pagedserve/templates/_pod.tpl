@@ -67,6 +67,9 @@
   value: {{ .Values.scratch.home.mountPath | quote }}
 - name: TORCH_EXTENSIONS_DIR
   value: {{ .Values.scratch.kernelCache.mountPath | quote }}
+# Ray starts its workers (the engine and tensor-parallel actors: the server's main work) at niceness 15 otherwise.
+- name: RAY_worker_niceness
+  value: "0"
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
