@@ -38,22 +38,12 @@ inline void bgemm_tile(const bf16_t* x, int64_t ldx, const bf16_t* p, int64_t K2
   const __m512 b1 = bias ? widen(bias + 16, m1) : _mm512_setzero_ps();
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) { a0[r] = b0; a1[r] = b1; }
-  const int32_t* xp = reinterpret_cast<const int32_t*>(x);
-  const int64_t ld2 = ldx / 2;
-  for (int64_t kk = 0; kk < K2; ++kk) {
+  dp_accumulate<MR>(a0, a1, x, ldx, p, K2, [&](int64_t kk) __attribute__((always_inline)) {
     if (pf != nullptr) {
       _mm_prefetch(reinterpret_cast<const char*>(pf + kk * 2 * kBNR), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(pf + kk * 2 * kBNR + kBNR), _MM_HINT_T1);
     }
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + kk * 2 * kBNR);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(p + kk * 2 * kBNR + kBNR);
-#pragma GCC unroll 12
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[r * ld2 + kk]);
-      a0[r] = _mm512_dpbf16_ps(a0[r], xv, w0);
-      a1[r] = _mm512_dpbf16_ps(a1[r], xv, w1);
-    }
-  }
+  });
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
     store_out(y + r * ldy, a0[r], m0);

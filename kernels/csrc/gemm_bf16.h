@@ -2,6 +2,10 @@
 // bf16 GEMM on AVX512-BF16, on weights packed into k-pair panels of 32 columns.
 #include "common.h"
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace ps {
 
 // x [M, K] bf16 (rows may be strided), packed [P, K/2, 32, 2] bf16, bias [N] bf16 or empty, out [M, N] bf16 or
@@ -9,5 +13,28 @@ namespace ps {
 void gemm_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out);
 // Whether this build has the AVX512-BF16 kernel.
 bool gemm_bf16_built();
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// The k loop of a vdpbf16ps row tile: a0[r], a1[r] (columns 0-15, 16-31) += the dot products of row r < MR of x
+// (bf16, rows ldx apart) with a 32-column panel in k-pair layout [K2][32][2], k pair by k pair; before each k pair,
+// prefetch(kk). Shared by the bf16 GEMM and the int8 one's widened panels.
+template <int MR, typename Prefetch>
+inline void dp_accumulate(__m512* a0, __m512* a1, const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K2,
+                          Prefetch prefetch) {
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);
+  const int64_t ld2 = ldx / 2;
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    prefetch(kk);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * 64);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * 64 + 32);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[r * ld2 + kk]);
+      a0[r] = _mm512_dpbf16_ps(a0[r], xv, w0);
+      a1[r] = _mm512_dpbf16_ps(a1[r], xv, w1);
+    }
+  }
+}
+#endif
 
 }  // namespace ps

@@ -17,6 +17,8 @@
 
 #include "gemm_int8.h"
 
+#include "gemm_bf16.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -197,18 +199,7 @@ void dp_tile(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K2, Out* y, 
   __m512 a0[MR], a1[MR];
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
-  const int32_t* xp = reinterpret_cast<const int32_t*>(x);
-  const int64_t ld2 = ldx / 2;
-  for (int64_t kk = 0; kk < K2; ++kk) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * 2 * kQNR);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * 2 * kQNR + kQNR);
-#pragma GCC unroll 12
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[r * ld2 + kk]);
-      a0[r] = _mm512_dpbf16_ps(a0[r], xv, w0);
-      a1[r] = _mm512_dpbf16_ps(a1[r], xv, w1);
-    }
-  }
+  dp_accumulate<MR>(a0, a1, x, ldx, w, K2, [](int64_t) __attribute__((always_inline)) {});
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) ep.store(y + r * ldy, (f32x16)a0[r], (f32x16)a1[r], ncols);
 }
