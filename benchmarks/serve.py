@@ -274,7 +274,8 @@ def median_loss(pairs: list[dict], key: str, offline_key: str = "offline_output_
 class Server:
     """`pagedserve serve` in its own process group (it starts its own Ray instance), gRPC and HTTP."""
 
-    def __init__(self, model_dir: str, max_num_seqs: int, device: str, log_path: str) -> None:
+    def __init__(self, model_dir: str, max_num_seqs: int, device: str, log_path: str,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.url = f"http://127.0.0.1:{self.http_port}"
@@ -286,7 +287,8 @@ class Server:
         self.proc = subprocess.Popen(
             [exe, "serve", "--model", model_dir, "--host", "127.0.0.1", "--grpc-port", str(self.port),
              "--port", str(self.http_port), "--metrics-port", str(self.metrics_port),
-             "--max-num-seqs", str(max_num_seqs), "--device", device, "--enable-prompt-tokens-details"],
+             "--max-num-seqs", str(max_num_seqs), "--device", device, "--enable-prompt-tokens-details",
+             *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def run(self, protocol: str, wl: Workload, rate: float) -> list[RequestTiming]:

@@ -222,10 +222,16 @@ def ratios(ps: dict, v: dict) -> dict:
 
 def load_previous(name: str) -> dict:
     path = results_path(name, "json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f).get("models", {})
-    return {}
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        models = json.load(f).get("models", {})
+    for entry in models.values():  # a file that kept the settings per model: into each workload
+        settings = {k: v for k, v in entry.items() if k != "workloads"}
+        entry["workloads"] = {w: {**settings, **e} for w, e in entry.get("workloads", {}).items()}
+        for k in settings:
+            del entry[k]
+    return models
 
 
 def main() -> None:
@@ -239,7 +245,10 @@ def main() -> None:
     ap.add_argument("--random-range-ratio", type=float, default=0.5)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--vllm-kv-cache-gib", type=int, default=4)
+    ap.add_argument("--kv-cache-gib", type=int, default=2,
+                    help="KV cache of each server (pagedserve --kv-cache-memory, vLLM VLLM_CPU_KVCACHE_SPACE): both "
+                         "stay up, and Ray's memory monitor kills the engine actor when the machine's memory is 95%% "
+                         "used")
     ap.add_argument("--slo-ttft-ms", type=float, default=None,
                     help=f"default: 2000 x the model's decode-step weight bytes / {SLO_BASE_MODEL}'s")
     ap.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 100, scaled as --slo-ttft-ms")
@@ -266,12 +275,13 @@ def main() -> None:
     problems: list[str] = []
     try:
         t = time.perf_counter()
-        servers["pagedserve"] = Server(model_dir, args.max_num_seqs, "cpu", os.path.join(tmp, "pagedserve.log"))
+        servers["pagedserve"] = Server(model_dir, args.max_num_seqs, "cpu", os.path.join(tmp, "pagedserve.log"),
+                                       ("--kv-cache-memory", str(args.kv_cache_gib << 30)))
         servers["pagedserve"].wait_ready()
         print(f"pagedserve serve ready in {time.perf_counter() - t:.0f} s (log {tmp}/pagedserve.log)", flush=True)
         t = time.perf_counter()
         servers["vllm"] = VllmServer(model_dir, args.max_num_seqs, os.path.join(tmp, "vllm.log"), threads=threads,
-                                     kv_cache_gib=args.vllm_kv_cache_gib, dtype=args.vllm_dtype)
+                                     kv_cache_gib=args.kv_cache_gib, dtype=args.vllm_dtype)
         servers["vllm"].wait_ready()
         print(f"vllm serve ready in {time.perf_counter() - t:.0f} s (log {tmp}/vllm.log)", flush=True)
         ps_dtype = pagedserve_dtype(os.path.join(tmp, "pagedserve.log"))
@@ -298,13 +308,14 @@ def main() -> None:
                 for s in order:
                     server = servers[s]
                     other = servers[SYSTEMS[1 - SYSTEMS.index(s)]]
-                    load = os.getloadavg()[0]
+                    load, start = os.getloadavg()[0], time.strftime("%H:%M:%S")
                     idle0, t0 = tree_cpu_seconds(other.proc.pid), time.perf_counter()
                     raw[s] = run_client(client_args(workload, rate, seed, model_dir, server.model, server.url,
                                                     args.num_prompts, path, args), client_log)
                     idle = (tree_cpu_seconds(other.proc.pid) - idle0) / (time.perf_counter() - t0)
                     row[s] = summarize(raw[s], args.num_prompts)
-                    row[s].update(loadavg_1min_before=load, other_server_idle_cpu=idle)
+                    row[s].update(loadavg_1min_before=load, other_server_idle_cpu=idle, started=start,
+                                  ended=time.strftime("%H:%M:%S"))
                     loads.append(load)
                 found = check_lengths(raw, expect_prompt, expect_out)
                 problems += [f"{workload} rate {fmt_rate(rate)}: {p}" for p in found]
@@ -321,24 +332,29 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
-    entry = {"requests": args.num_prompts, "rates": [fmt_rate(r) for r in args.rates],
-             "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "scale": scale,
-                     "scaled_by": f"decode-step weight bytes vs {SLO_BASE_MODEL}"},
-             "random_lengths": {"input": args.random_input_len, "output": args.random_output_len,
-                                "range_ratio": args.random_range_ratio},
-             "max_num_seqs": args.max_num_seqs, "pagedserve_dtype": ps_dtype, "vllm_dtype": args.vllm_dtype,
-             "vllm_kv_cache_gib": args.vllm_kv_cache_gib, "threads": threads,
-             "loadavg_1min_before_runs": {"min": min(loads), "max": max(loads)},
-             "token_count_problems": problems,
-             "workloads": {w: {"runs": rs, "targets": verdict(rs)} for w, rs in results.items()}}
+    restarts = replica_failures(os.path.join(tmp, "pagedserve.log"))
+    for line in restarts:
+        print("pagedserve engine replica failed during the run:", line)
+    settings = {"date": time.strftime("%Y-%m-%d %H:%M"), "requests": args.num_prompts,
+                "rates": [fmt_rate(r) for r in args.rates],
+                "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "scale": scale,
+                        "scaled_by": f"decode-step weight bytes vs {SLO_BASE_MODEL}"},
+                "random_lengths": {"input": args.random_input_len, "output": args.random_output_len,
+                                   "range_ratio": args.random_range_ratio},
+                "max_num_seqs": args.max_num_seqs, "pagedserve_dtype": ps_dtype, "vllm_dtype": args.vllm_dtype,
+                "kv_cache_gib": args.kv_cache_gib, "threads": threads,
+                "loadavg_1min_before_runs": {"min": min(loads), "max": max(loads)},
+                "token_count_problems": problems, "pagedserve_replica_failures": restarts}
+    workloads = {w: {**settings, "runs": rs, "targets": verdict(rs)} for w, rs in results.items()}
     for w, rs in results.items():
         print_table(args.model, w, rs)
-        v = entry["workloads"][w]["targets"]
+        v = workloads[w]["targets"]
+        g = "n/a" if v["goodput_ratio"] is None else f"x{v['goodput_ratio']:.2f}"
         print(f"  targets ({w}): out tok/s at inf x{v.get('throughput_ratio_at_inf', math.nan):.2f}, goodput at "
-              f"rate {v['goodput_rate']} x{v['goodput_ratio'] or math.nan:.2f}, failed {v['failed']} -> "
+              f"rate {v['goodput_rate']} {g}, failed {v['failed']} -> "
               f"{'met' if v['met'] else 'NOT met'}")
-    models = load_previous(args.out)
-    models[args.model] = entry
+    models = load_previous(args.out)  # other models' and workloads' latest runs stay
+    models[args.model] = {"workloads": {**models.get(args.model, {}).get("workloads", {}), **workloads}}
     path = save_results(args.out, {"vllm_version": vllm_version(), "client": "vllm.benchmarks.serve (openai, "
                                    "/v1/completions, streamed, ignore_eos, temperature 0)", "models": models})
     plot(models, path.replace(".json", ".png"))
@@ -352,6 +368,13 @@ def pagedserve_dtype(log_path: str) -> str:
             if "dtype auto on CPU:" in line:
                 return line.split("dtype auto on CPU:", 1)[1].strip()
     return "unknown (no 'dtype auto' line in the log)"
+
+
+def replica_failures(log_path: str) -> list[str]:
+    """The pagedserve log's lines saying the engine actor failed (e.g. killed by Ray's memory monitor) and was
+    restarted: a run that overlaps one is not a measurement of the engine."""
+    with open(log_path, errors="replace") as f:
+        return [line.strip()[:300] for line in f if "replica 0 failed" in line or "replica 0 restarted" in line]
 
 
 def check_engine_code(pid: int) -> None:
