@@ -275,13 +275,13 @@ class Server:
     """`pagedserve serve` in its own process group (it starts its own Ray instance), gRPC and HTTP."""
 
     def __init__(self, model_dir: str, max_num_seqs: int, device: str, log_path: str,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> None:
         self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.model = os.path.basename(os.path.normpath(model_dir))
         exe = os.path.join(os.path.dirname(sys.executable), "pagedserve")
-        env = dict(os.environ)
+        env = dict(os.environ, **(extra_env or {}))
         env.pop("RAY_ADDRESS", None)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(

@@ -252,6 +252,9 @@ def main() -> None:
     ap.add_argument("--slo-ttft-ms", type=float, default=None,
                     help=f"default: 2000 x the model's decode-step weight bytes / {SLO_BASE_MODEL}'s")
     ap.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 100, scaled as --slo-ttft-ms")
+    ap.add_argument("--pagedserve-env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra environment for `pagedserve serve` only, e.g. RAY_worker_niceness=0 (Ray starts its "
+                         "workers, the engine-core actor among them, at niceness 15 by default)")
     ap.add_argument("--out", default="serve_vs_vllm", help="results name under benchmarks/results/")
     args = ap.parse_args()
     if not os.path.isfile(VLLM_PYTHON):
@@ -276,7 +279,8 @@ def main() -> None:
     try:
         t = time.perf_counter()
         servers["pagedserve"] = Server(model_dir, args.max_num_seqs, "cpu", os.path.join(tmp, "pagedserve.log"),
-                                       ("--kv-cache-memory", str(args.kv_cache_gib << 30)))
+                                       ("--kv-cache-memory", str(args.kv_cache_gib << 30)),
+                                       dict(kv.split("=", 1) for kv in args.pagedserve_env))
         servers["pagedserve"].wait_ready()
         print(f"pagedserve serve ready in {time.perf_counter() - t:.0f} s (log {tmp}/pagedserve.log)", flush=True)
         t = time.perf_counter()
@@ -328,7 +332,7 @@ def main() -> None:
                     f"{s} {row[s]['output_tok_s']:.1f} out tok/s, TTFT p50 {row[s]['ttft_ms']['p50']:.0f} ms, "
                     f"TPOT p50 {row[s]['tpot_ms']['p50']:.1f} ms, failed {row[s]['failed']}" for s in order),
                     flush=True)
-        check_engine_code(servers["pagedserve"].proc.pid)
+        niceness = check_engine_code(servers["pagedserve"].proc.pid)
     finally:
         for server in servers.values():
             server.stop()
@@ -342,7 +346,8 @@ def main() -> None:
                 "random_lengths": {"input": args.random_input_len, "output": args.random_output_len,
                                    "range_ratio": args.random_range_ratio},
                 "max_num_seqs": args.max_num_seqs, "pagedserve_dtype": ps_dtype, "vllm_dtype": args.vllm_dtype,
-                "kv_cache_gib": args.kv_cache_gib, "threads": threads,
+                "kv_cache_gib": args.kv_cache_gib, "threads": threads, "pagedserve_env": args.pagedserve_env,
+                "pagedserve_engine_niceness": niceness,
                 "loadavg_1min_before_runs": {"min": min(loads), "max": max(loads)},
                 "token_count_problems": problems, "pagedserve_replica_failures": restarts}
     workloads = {w: {**settings, "runs": rs, "targets": verdict(rs)} for w, rs in results.items()}
@@ -377,17 +382,21 @@ def replica_failures(log_path: str) -> list[str]:
         return [line.strip()[:300] for line in f if "replica 0 failed" in line or "replica 0 restarted" in line]
 
 
-def check_engine_code(pid: int) -> None:
-    """Print where the pagedserve server's processes import pagedserve from (PYTHONPATH of each)."""
+def check_engine_code(pid: int) -> int | None:
+    """Print where the pagedserve server's processes import pagedserve from (PYTHONPATH of each) and the engine-core
+    actor's niceness, which is returned."""
     import psutil
 
-    seen = set()
+    seen, nice = set(), None
     for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         try:
             seen.add(p.environ().get("PYTHONPATH", ""))
+            if "EngineCoreActor" in " ".join(p.cmdline()):
+                nice = p.nice()
         except psutil.Error:
             pass
-    print(f"pagedserve server processes' PYTHONPATH: {sorted(seen)}")
+    print(f"pagedserve server processes' PYTHONPATH: {sorted(seen)}; engine-core actor's niceness: {nice}")
+    return nice
 
 
 def plot(models: dict, out: str) -> None:
