@@ -212,7 +212,7 @@ def print_table(model: str, workload: str, runs: list[dict]) -> None:
 
 def ratios(ps: dict, v: dict) -> dict:
     def div(a, b):
-        return a / b if b else math.inf
+        return a / b if b else (math.inf if a else math.nan)
 
     return {"output_tok_s": div(ps["output_tok_s"], v["output_tok_s"]),
             "goodput": div(ps["goodput_req_s"], v["goodput_req_s"]),

@@ -152,13 +152,13 @@ def main() -> None:
         prompts, out_lens = wl.prompts[:n], wl.output_lens[:n]
         for dtype in dtypes:
             runs: dict[str, list[dict]] = {"pagedserve": [], "vllm": []}
-            probes = []  # the read rate before each run: single probes vary widely within minutes
+            read_probes = []  # the read rate before each run: single probes vary widely within minutes
             for _ in range(args.pairs):
-                probes.append(read_bandwidth())
+                read_probes.append(read_bandwidth())
                 runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype))
-                probes.append(read_bandwidth())
+                read_probes.append(read_bandwidth())
                 runs["vllm"].append(run_vllm(model, prompts, out_lens, dtype, threads, vllm_env))
-            row_bw = statistics.median(probes)
+            row_bw = statistics.median(read_probes)
             roof = roofline(cfg, [len(p) for p in prompts], out_lens, getattr(torch, dtype).itemsize, peaks[dtype],
                             row_bw)
             best = {k: max(r["output_tok_s"] for r in v) for k, v in runs.items()}
@@ -169,7 +169,7 @@ def main() -> None:
                    "vllm_tok_s": best["vllm"], "ratio": best["pagedserve"] / best["vllm"],
                    "all_runs": {k: [r["output_tok_s"] for r in v] for k, v in runs.items()},
                    "same_greedy_tokens": same,
-                   "read_bytes_per_s": row_bw, "read_probes": probes,
+                   "read_bytes_per_s": row_bw, "read_probes": read_probes,
                    "model_gflop": roof.model_flops / 1e9, "kv_read_gb": roof.kv_read_bytes / 1e9,
                    "floor_s": roof.floor_s, "mfu_ceiling": roof.mfu(roof.floor_s, peaks[dtype]),
                    **{f"mfu_{k}": roof.mfu(sum(out_lens) / v, peaks[dtype]) for k, v in best.items()}}
