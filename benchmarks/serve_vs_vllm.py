@@ -71,6 +71,18 @@ def slo_scale(model: str) -> float:
     return step_weight_params(REFERENCE_MODELS[model]) / step_weight_params(REFERENCE_MODELS[SLO_BASE_MODEL])
 
 
+def tokenizer_dir(model_dir: str, into: str) -> str:
+    """The model's word-level tokenizer alone in a dir: in the model dir, transformers' AutoTokenizer (both servers'
+    and the client's) picks the tokenizer class from config.json's model_type, and for qwen2 that is Qwen2Tokenizer,
+    which encodes "w5 w6 w7" to [] with this tokenizer.json; without a config.json it takes tokenizer_config's."""
+    import shutil
+
+    os.makedirs(into, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(model_dir, name), into)
+    return into
+
+
 def word_prompt(ids: list[int]) -> str:
     """The text the reference models' word-level tokenizer encodes to exactly these ids."""
     return " ".join(f"w{i}" for i in ids)
@@ -272,6 +284,7 @@ def main() -> None:
           f"<= {args.slo_ttft_ms:.0f} ms and TPOT <= {args.slo_tpot_ms:.1f} ms ({scale:.2f}x {SLO_BASE_MODEL}'s)")
     tmp = tempfile.mkdtemp(prefix="serve_vs_vllm-")
     client_log = os.path.join(tmp, "client.log")
+    tok = tokenizer_dir(model_dir, os.path.join(tmp, "tokenizer"))
     servers = {}
     loads = []
     results: dict[str, list[dict]] = {w: [] for w in args.workloads}
@@ -279,13 +292,14 @@ def main() -> None:
     try:
         t = time.perf_counter()
         servers["pagedserve"] = Server(model_dir, args.max_num_seqs, "cpu", os.path.join(tmp, "pagedserve.log"),
-                                       ("--kv-cache-memory", str(args.kv_cache_gib << 30)),
+                                       ("--kv-cache-memory", str(args.kv_cache_gib << 30), "--tokenizer", tok),
                                        dict(kv.split("=", 1) for kv in args.pagedserve_env))
         servers["pagedserve"].wait_ready()
         print(f"pagedserve serve ready in {time.perf_counter() - t:.0f} s (log {tmp}/pagedserve.log)", flush=True)
         t = time.perf_counter()
         servers["vllm"] = VllmServer(model_dir, args.max_num_seqs, os.path.join(tmp, "vllm.log"), threads=threads,
-                                     kv_cache_gib=args.kv_cache_gib, dtype=args.vllm_dtype)
+                                     kv_cache_gib=args.kv_cache_gib, dtype=args.vllm_dtype,
+                                     extra_args=("--tokenizer", tok))
         servers["vllm"].wait_ready()
         print(f"vllm serve ready in {time.perf_counter() - t:.0f} s (log {tmp}/vllm.log)", flush=True)
         ps_dtype = pagedserve_dtype(os.path.join(tmp, "pagedserve.log"))
@@ -314,7 +328,7 @@ def main() -> None:
                     other = servers[SYSTEMS[1 - SYSTEMS.index(s)]]
                     load, start = os.getloadavg()[0], time.strftime("%H:%M:%S")
                     idle0, t0 = tree_cpu_seconds(other.proc.pid), time.perf_counter()
-                    raw[s] = run_client(client_args(workload, rate, seed, model_dir, server.model, server.url,
+                    raw[s] = run_client(client_args(workload, rate, seed, tok, server.model, server.url,
                                                     args.num_prompts, path, args), client_log)
                     idle = (tree_cpu_seconds(other.proc.pid) - idle0) / (time.perf_counter() - t0)
                     row[s] = summarize(raw[s], args.num_prompts)
