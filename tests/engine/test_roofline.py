@@ -63,9 +63,9 @@ def test_results_files_are_named_by_cpu_model(load_benchmark):
     assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", slug), slug
     assert os.path.basename(common.results_path("throughput", "json")) == f"throughput-{slug}.json"
     names = [n for n in os.listdir(common.RESULTS) if os.path.isfile(os.path.join(common.RESULTS, n))]
-    assert names and all(re.fullmatch(r"[a-z_]+-[a-z0-9-]+\.(json|png)", n) for n in names), names
+    assert names and all(re.fullmatch(r"[a-z][a-z0-9_]*-[a-z0-9-]+\.(json|png)", n) for n in names), names
     # A GPU run (benchmarks/gpu_check.sh) keeps its logs beside its results, in results/gpu/.
     gpu = os.path.join(common.RESULTS, "gpu")
     subdirs = [n for n in os.listdir(common.RESULTS) if os.path.isdir(os.path.join(common.RESULTS, n))]
-    assert subdirs in ([], ["gpu"]) and all(re.fullmatch(r"[a-z_]+(-[a-z0-9-]+)?\.(json|png|log|txt)", n)
+    assert subdirs in ([], ["gpu"]) and all(re.fullmatch(r"[a-z][a-z0-9_]*(-[a-z0-9-]+)?\.(json|png|log|txt)", n)
                                              for n in (os.listdir(gpu) if subdirs else [])), subdirs
