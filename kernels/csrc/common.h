@@ -52,11 +52,13 @@ inline f32x8 load8(const bf16_t* p) { return widen_bf16<f32x8, u32x8, u16x8>(p);
 // by 2^(127 - bias) re-biases the exponent (subnormals come out right too, as fp32 subnormals scaled up).
 template <int MANT, int BIAS>
 inline f32x8 widen_fp8(const uint8_t* p) {
+  constexpr uint32_t rebias_bits = uint32_t(254 - BIAS) << 23;  // the float 2^(127 - BIAS), a constant
+  float rebias; std::memcpy(&rebias, &rebias_bits, sizeof rebias);
   u8x8 b; std::memcpy(&b, p, sizeof b);
   const u32x8 w = __builtin_convertvector(b, u32x8);
   const u32x8 bits = ((w & 0x80u) << 24) | ((w & 0x7Fu) << (23 - MANT));
   f32x8 v; std::memcpy(&v, &bits, sizeof v);
-  return v * std::ldexp(1.f, 127 - BIAS);
+  return v * rebias;
 }
 inline f32x8 load8(const fp8_e4m3_t* p) { return widen_fp8<3, 7>(&p->bits); }
 inline f32x8 load8(const fp8_e5m2_t* p) { return widen_fp8<2, 15>(&p->bits); }

@@ -205,13 +205,15 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_c
     PS_DISPATCH(key.scalar_type(), [&] {
       auto quantize = cache_type == torch::kFloat8_e4m3fn ? quantize_row<c10::Float8_e4m3fn, scalar>
                                                           : quantize_row<c10::Float8_e5m2, scalar>;
-      for (int64_t t = 0; t < T; ++t) {  // a step's few rows: one thread
-        if (slots[t] < 0) continue;
-        quantize(reinterpret_cast<const scalar*>(kp + t * ks), reinterpret_cast<uint8_t*>(kc + slots[t] * bytes),
-                 row, float(k_scale));
-        quantize(reinterpret_cast<const scalar*>(vp + t * vs), reinterpret_cast<uint8_t*>(vc + slots[t] * bytes),
-                 row, float(v_scale));
-      }
+      at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          if (slots[t] < 0) continue;
+          quantize(reinterpret_cast<const scalar*>(kp + t * ks), reinterpret_cast<uint8_t*>(kc + slots[t] * bytes),
+                   row, float(k_scale));
+          quantize(reinterpret_cast<const scalar*>(vp + t * vs), reinterpret_cast<uint8_t*>(vc + slots[t] * bytes),
+                   row, float(v_scale));
+        }
+      });
     });
     return;
   }
