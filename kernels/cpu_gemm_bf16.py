@@ -1,4 +1,5 @@
-"""bf16 GEMM for CPU linears on AVX512-BF16, ``y = x @ w.T (+ bias)``, on weights packed once into k-pair panels.
+"""bf16 GEMM for CPU linears on AVX512-BF16, ``y = x @ w.T (+ bias)``, on weights packed once into k-pair panels,
+run on AMX tiles where the CPU has them (``amx()``).
 
 Built only where the compiler targets AVX512-BF16 (``-march=native`` on such a CPU); elsewhere ``available()`` is
 False and bf16 linears keep oneDNN's prepacked path (``F.linear`` where oneDNN has no native bf16).
@@ -20,6 +21,11 @@ _NO_BIAS = torch.empty(0)
 def available() -> bool:
     """Whether the extension was built with the AVX512-BF16 kernel (a CPU with those instructions)."""
     return cpu_extension.available() and cpu_extension.load().gemm_bf16_built()
+
+
+def amx() -> bool:
+    """Whether :func:`gemm` runs on AMX tiles here (the CPU has AMX-BF16 and Linux granted the tile state)."""
+    return available() and cpu_extension.load().gemm_bf16_amx()
 
 
 @dataclass(frozen=True)
@@ -50,12 +56,14 @@ def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> BF16Pa
 
 
 def gemm(x: torch.Tensor, weight: BF16PanelWeight, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+         out_dtype: torch.dtype = torch.bfloat16, use_amx: bool = True) -> torch.Tensor:
     """``x @ w.T + bias`` for bf16 ``x [..., K]``, ``weight = pack_weight(w)`` and a bf16 ``bias``, summed in fp32
-    (the bias too) and rounded once to bf16, or kept in fp32 (``out_dtype``)."""
+    (the bias too) and rounded once to bf16, or kept in fp32 (``out_dtype``). ``use_amx=False`` takes the
+    AVX512-BF16 kernel on an AMX CPU too (tests, benchmarks)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1 or rows.stride(0) % 2:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], weight.out_features, dtype=out_dtype)
-    cpu_extension.load().gemm_bf16(rows, weight.panels, _NO_BIAS if bias is None else bias.contiguous(), out)
+    cpu_extension.load().gemm_bf16(rows, weight.panels, _NO_BIAS if bias is None else bias.contiguous(), out,
+                                   use_amx)
     return out.view(*x.shape[:-1], weight.out_features)

@@ -9,10 +9,12 @@
 namespace ps {
 
 // x [M, K] bf16 (rows may be strided), packed [P, K/2, 32, 2] bf16, bias [N] bf16 or empty, out [M, N] bf16 or
-// fp32, contiguous. Raises where built without AVX512-BF16.
-void gemm_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out);
+// fp32, contiguous; on AMX tiles where gemm_bf16_amx() and use_amx. Raises where built without AVX512-BF16.
+void gemm_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out, bool use_amx = true);
 // Whether this build has the AVX512-BF16 kernel.
 bool gemm_bf16_built();
+// Whether gemm_bf16 runs on AMX tiles (built with them, and the kernel granted this process the tile state).
+bool gemm_bf16_amx();
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // The k loop of a vdpbf16ps row tile: a0[r], a1[r] (columns 0-15, 16-31) += the dot products of row r < MR of x

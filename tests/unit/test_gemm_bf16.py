@@ -1,5 +1,6 @@
-"""The AVX512-BF16 panel GEMM (kernels/cpu_gemm_bf16.py) against a float64 matmul of the same bf16 inputs, its
-batch invariance, and bf16 linears packed for it. Skipped, saying so, on CPUs without AVX512-BF16."""
+"""The AVX512-BF16 panel GEMM (kernels/cpu_gemm_bf16.py) and its AMX tiles against a float64 matmul of the same
+bf16 inputs, their batch invariance, and bf16 linears packed for them. Skipped, saying so, on CPUs without
+AVX512-BF16 (the AMX cases on CPUs without AMX)."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,8 @@ from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 pytestmark = pytest.mark.skipif(not cpu_gemm_bf16.available(), reason="no AVX512-BF16 on this CPU")
+KERNELS = [pytest.param(False, id="avx512"),
+           pytest.param(True, id="amx", marks=pytest.mark.skipif(not cpu_gemm_bf16.amx(), reason="no AMX here"))]
 
 
 def _bf16(*shape: int, gen: torch.Generator) -> torch.Tensor:
@@ -24,20 +27,23 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
     return x.double() @ w.double().T + (b.double() if b is not None else 0)
 
 
-# Rows: one tile, a 13-row remainder (7 + 6), past a 240-row block; N: partial panels (37: one and a half; 48: the
+# Rows: one tile, a 13-row remainder (7 + 6; AMX: one short tile), past a 240-row block (AMX: 256), two A tiles
+# and a short third; K: whole AMX k steps or not (300, 30, 2); N: partial panels (37: one and a half; 48: the
 # second half of a panel empty) and several panels per thread.
-@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (13, 300, 37), (25, 512, 1536), (251, 1376, 80)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (13, 300, 37), (25, 512, 1536), (251, 1376, 80), (40, 30, 33),
+                                   (3, 2, 5), (300, 96, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_float64_matmul(m, k, n, bias):
+@pytest.mark.parametrize("use_amx", KERNELS)
+def test_matches_float64_matmul(m, k, n, bias, use_amx):
     g = torch.Generator().manual_seed(m * n)
     w, b = _bf16(n, k, gen=g), _bf16(n, gen=g) if bias else None
     x = _bf16(m, k + 6, gen=g)[:, 2:2 + k]  # rows strided, as a slice of a wider activation
     want = _exact(x, w, b)
     packed = cpu_gemm_bf16.pack_weight(w)
-    got32 = cpu_gemm_bf16.gemm(x, packed, b, torch.float32)
+    got32 = cpu_gemm_bf16.gemm(x, packed, b, torch.float32, use_amx)
     assert got32.shape == (m, n) and got32.dtype == torch.float32
     torch.testing.assert_close(got32.double(), want, atol=2e-6 * k, rtol=1e-5)  # fp32 sums of exact products
-    got16 = cpu_gemm_bf16.gemm(x, packed, b)
+    got16 = cpu_gemm_bf16.gemm(x, packed, b, use_amx=use_amx)
     assert got16.dtype == torch.bfloat16
     # One rounding of the fp32 sum: within one bf16 ulp of the exact result (2^-8 relative), nearly always equal
     # to the exact result rounded.
@@ -45,16 +51,19 @@ def test_matches_float64_matmul(m, k, n, bias):
     assert (got16 == want.to(torch.bfloat16)).float().mean() > 0.95
 
 
-def test_rows_do_not_depend_on_the_batch():
-    """Each output is summed in k order whatever tile its row lands in: a row's result is bitwise the same alone
-    and in any batch."""
+@pytest.mark.parametrize("k", [640, 650])
+@pytest.mark.parametrize("use_amx", KERNELS)
+def test_rows_do_not_depend_on_the_batch(k, use_amx):
+    """Each output is summed in k order whatever tile its row lands in (full or short, read in place or from the
+    padded copy): a row's result is bitwise the same alone and in any batch."""
     g = torch.Generator().manual_seed(1)
-    w = cpu_gemm_bf16.pack_weight(_bf16(70, 640, gen=g))
-    x = _bf16(260, 640, gen=g)
-    batched = cpu_gemm_bf16.gemm(x, w)
-    for r in (0, 5, 11, 12, 13, 239, 240, 259):
-        assert torch.equal(cpu_gemm_bf16.gemm(x[r:r + 1], w), batched[r:r + 1])
-    assert torch.equal(cpu_gemm_bf16.gemm(x[3:28], w), batched[3:28])
+    w = cpu_gemm_bf16.pack_weight(_bf16(70, k, gen=g))
+    x = _bf16(260, k, gen=g)
+    batched = cpu_gemm_bf16.gemm(x, w, use_amx=use_amx)
+    for r in (0, 5, 11, 12, 13, 15, 16, 31, 32, 239, 240, 255, 256, 259):
+        assert torch.equal(cpu_gemm_bf16.gemm(x[r:r + 1], w, use_amx=use_amx), batched[r:r + 1])
+    for rows in (slice(3, 28), slice(0, 16), slice(7, 40), slice(250, 260)):
+        assert torch.equal(cpu_gemm_bf16.gemm(x[rows], w, use_amx=use_amx), batched[rows])
 
 
 def test_batched_shapes_zero_rows_and_odd_k():
