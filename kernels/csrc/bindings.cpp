@@ -18,11 +18,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &ps::apply_token_bitmask);
   m.def("argmax_rows", &ps::argmax_rows);
   m.def("gemm_packed", &ps::gemm_packed);
-  m.def("gemm_bf16", &ps::gemm_bf16, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out"),
-        pybind11::arg("use_amx") = true);
+  m.def("gemm_bf16", &ps::gemm_bf16, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
+        pybind11::arg("out"), pybind11::arg("use_amx") = true);
   m.def("gemm_bf16_built", &ps::gemm_bf16_built);
   m.def("gemm_bf16_amx", &ps::gemm_bf16_amx);
   m.def("llama_layer", &ps::llama_layer);
-  m.def("gemm_int8", &ps::gemm_int8);
+  m.def("gemm_int8", &ps::gemm_int8, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale"),
+        pybind11::arg("bias"), pybind11::arg("out"), pybind11::arg("use_amx") = true);
   m.def("gemm_int8_dp_built", &ps::gemm_int8_dp_built);
 }

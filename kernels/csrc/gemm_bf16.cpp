@@ -17,7 +17,6 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
-#include <sys/syscall.h>
 namespace ps {
 
 constexpr int64_t kBNR = 32, kBMR = 12, kBMC = 240;
@@ -72,38 +71,14 @@ inline int64_t next_tile(int64_t left) {
   return kBMR;
 }
 
-// Runs unit(m0, m1, j, pf) over every (block of rows [m0, m1), panel j) on torch's threads: blocks of rows first (a
-// block's activations stay in L2 while its panels run), near-equal blocks of whole `granule`s of rows (so that units
-// cost alike for the chunking), at most `block` rows each. pf: the panel this thread runs next, to prefetch into L2
-// while the first rows over panel j run (null at the end). begin() and end() run once on each thread that works.
-template <typename Unit, typename Begin, typename End>
-void run_units(int64_t M, int64_t K, int64_t P, int64_t granule, int64_t block, const bf16_t* pp, Unit unit,
-               Begin begin, End end) {
-  const int64_t blocks = (M + block - 1) / block, mb = ((M + blocks - 1) / blocks + granule - 1) / granule * granule;
-  const int64_t units = (M + mb - 1) / mb * P, threads = std::min<int64_t>(at::get_num_threads(), units);
-  ChunkQueue queue(units, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    begin();
-    for (auto cur = queue.claim(); cur.first < units;) {
-      // The next chunk is claimed now, so that its first panel can stream in while this chunk's last one runs.
-      const auto next = queue.claim();
-      for (int64_t u = cur.first; u < cur.second; ++u) {
-        const int64_t v = u + 1 < cur.second ? u + 1 : next.first;
-        unit(u / P * mb, std::min(M, u / P * mb + mb), u % P, v < units ? pp + v % P * K * kBNR : nullptr);
-      }
-      cur = next;
-    }
-    end();
-  });
-}
-
 template <typename Out>
 void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64_t K, int64_t P, int64_t N,
                const bf16_t* bp, Out* yp) {
   const int64_t K2 = K / 2;
-  auto unit = [&](int64_t m0, int64_t m1, int64_t j, const bf16_t* pf) {
+  auto unit = [&](int64_t m0, int64_t m1, int64_t j, int64_t next) {
     const int64_t n0 = j * kBNR, ncols = std::min(kBNR, N - n0);
     const bf16_t* p = pp + j * K * kBNR;
+    const bf16_t* pf = next < 0 ? nullptr : pp + next * K * kBNR;
     for (int64_t m = m0; m < m1;) {
       const int64_t mr = next_tile(m1 - m);
       // The first tile over a panel also fetches this thread's next panel into L2.
@@ -112,106 +87,36 @@ void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64
       m += mr;
     }
   };
-  run_units(M, K, P, kBMR, kBMC, pp, unit, [] {}, [] {});
+  run_units(M, P, kBMR, kBMC, unit, [] {}, [] {});
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// AMX: tdpbf16ps multiplies a tile of 16 rows x 32 k (A) by one of 16 k pairs x 16 columns in k-pair layout (B)
-// into 16 x 16 fp32 (C). A panel's [K/2, 32, 2] rows are two B tiles side by side (columns 0-15, 16-31, 128 bytes
-// apart), so the same panels serve both kernels. Tiles: C 0-3 (two row groups x two column halves), A 4-5, B 6-7.
-constexpr int64_t kTK = 32, kTR = 16, kAMC = 256;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per
-// process; refused where the CPU or kernel lacks it.
-bool amx_usable() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-// Rows of x a tile reads: rows below `direct` in place, the others from a zero-padded copy of K rounded up to
-// whole k steps (tiles read 16 rows of 32 k; where K is a whole number of k steps only the last partial group is
-// copied, and nothing where there are fewer than 16 rows: their tiles are configured that short).
-struct TileRows {
-  const bf16_t* x;
-  int64_t ldx, direct, Kp;
-  std::vector<bf16_t> pad;
-  TileRows(const bf16_t* x_, int64_t ldx_, int64_t M, int64_t K) : x(x_), ldx(ldx_) {
-    Kp = (K + kTK - 1) / kTK * kTK;
-    direct = K == Kp ? (M < kTR ? M : M / kTR * kTR) : 0;
-    const int64_t Mp = (M + kTR - 1) / kTR * kTR;
-    pad.assign((Mp - direct) * Kp, 0);
-    for (int64_t m = direct; m < M; ++m) std::memcpy(&pad[(m - direct) * Kp], x + m * ldx, K * sizeof(bf16_t));
-  }
-  const bf16_t* row(int64_t m) const { return m < direct ? x + m * ldx : &pad[(m - direct) * Kp]; }
-  int64_t stride(int64_t m) const { return (m < direct ? ldx : Kp) * int64_t(sizeof(bf16_t)); }
-};
-
-// Rows [m0, m1) (m0 a multiple of 16) of one panel: C = bias, then every k step of up to 32 rows' A tiles against
-// the panel's two B tiles, in k order; then the valid rows and columns written out.
-template <typename Out>
-void amx_unit(const TileRows& a, const bf16_t* p, int64_t K, int64_t m0, int64_t m1, Out* y, int64_t ldy,
-              int64_t ncols, const float* bias, const bf16_t* pf) {
-  alignas(64) float c[2 * kTR][kBNR];
-  alignas(64) bf16_t tail[kTR][2 * kBNR] = {};  // the last k step's pairs where K is not whole k steps
-  const int64_t steps = a.Kp / kTK, whole = K / kTK, rest = (K - whole * kTK) / 2;
-  if (rest) std::memcpy(tail, p + whole * kTR * 2 * kBNR, rest * 2 * kBNR * sizeof(bf16_t));
-  const __mmask16 mask0 = ncols >= 16 ? 0xFFFF : (1u << ncols) - 1, mask1 = ncols > 16 ? (1u << (ncols - 16)) - 1 : 0;
-  const __mmask16 m1full = ncols >= 32 ? 0xFFFF : mask1;
-  for (int64_t m = m0; m < m1; m += 2 * kTR) {
-    const bool two = m + kTR < m1;
-    _tile_loadd(0, bias, 0); _tile_loadd(1, bias + 16, 0);
-    if (two) { _tile_loadd(2, bias, 0); _tile_loadd(3, bias + 16, 0); }
-    const bf16_t* a0 = a.row(m);
-    const bf16_t* a1 = two ? a.row(m + kTR) : nullptr;
-    const int64_t s0 = a.stride(m), s1 = two ? a.stride(m + kTR) : 0;
-    for (int64_t t = 0; t < steps; ++t) {
-      const bf16_t* b = t < whole ? p + t * kTR * 2 * kBNR : &tail[0][0];
-      if (pf != nullptr && m == m0) {
-        const char* q = reinterpret_cast<const char*>(pf + t * kTR * 2 * kBNR);
-        for (int i = 0; i < kTR * 2 * kBNR * 2; i += 64) _mm_prefetch(q + i, _MM_HINT_T1);
-      }
-      _tile_loadd(6, b, 2 * kBNR * sizeof(bf16_t));
-      _tile_loadd(7, b + kBNR, 2 * kBNR * sizeof(bf16_t));
-      _tile_loadd(4, a0 + t * kTK, s0);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if (two) {
-        _tile_loadd(5, a1 + t * kTK, s1);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, &c[0][0], kBNR * sizeof(float));
-    _tile_stored(1, &c[0][16], kBNR * sizeof(float));
-    if (two) { _tile_stored(2, &c[kTR][0], kBNR * sizeof(float)); _tile_stored(3, &c[kTR][16], kBNR * sizeof(float)); }
-    for (int64_t r = 0, rows = std::min<int64_t>(2 * kTR, m1 - m); r < rows; ++r) {
-      store_out(y + (m + r) * ldy, _mm512_load_ps(c[r]), mask0);
-      if (m1full) store_out(y + (m + r) * ldy + 16, _mm512_load_ps(c[r] + 16), m1full);
-    }
-  }
-}
+#ifdef PS_AMX
+constexpr int64_t kAMC = 256;  // rows per block on AMX
 
 template <typename Out>
 void amx_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64_t K, int64_t P, int64_t N,
              const bf16_t* bp, Out* yp) {
   const TileRows a(xp, ldx, M, K);
-  std::vector<float> bias(P * kBNR, 0.f);
+  std::vector<float> bias(P * kBNR, 0.f);  // the C tiles start from it
   for (int64_t n = 0; bp != nullptr && n < N; ++n) bias[n] = load1(bp + n);
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) { cfg.rows[t] = kTR; cfg.colsb[t] = 64; }
-  // Fewer than 16 rows (decode): short A and C tiles, whose multiplies take fewer cycles.
-  if (M < kTR) cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = uint8_t(M);
-  auto unit = [&](int64_t m0, int64_t m1, int64_t j, const bf16_t* pf) {
-    const int64_t n0 = j * kBNR;
-    amx_unit(a, pp + j * K * kBNR, K, m0, m1, yp + n0, N, std::min(kBNR, N - n0), &bias[n0], pf);
+  const TileConfig cfg(M);
+  auto unit = [&](int64_t m0, int64_t m1, int64_t j, int64_t next) {
+    const int64_t n0 = j * kBNR, ncols = std::min(kBNR, N - n0);
+    const PanelSteps b(pp + j * K * kBNR, K);
+    const __mmask16 mask0 = ncols >= 16 ? 0xFFFF : (1u << ncols) - 1;
+    const __mmask16 mask1 = ncols >= 32 ? 0xFFFF : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0;
+    alignas(64) float c[2 * kAmxR][kAmxN];
+    for (int64_t m = m0; m < m1; m += 2 * kAmxR) {
+      const int64_t rows = std::min(2 * kAmxR, m1 - m);
+      // The first rows over a panel also fetch this thread's next panel into L2.
+      amx_rows(a, b, m, rows, &bias[n0], c, m == m0 && next >= 0 ? pp + next * K * kBNR : nullptr);
+      for (int64_t r = 0; r < rows; ++r) {
+        store_out(yp + (m + r) * N + n0, _mm512_load_ps(c[r]), mask0);
+        if (mask1) store_out(yp + (m + r) * N + n0 + 16, _mm512_load_ps(c[r] + 16), mask1);
+      }
+    }
   };
-  run_units(M, K, P, 2 * kTR, kAMC, pp, unit, [&] { _tile_loadconfig(&cfg); }, [] { _tile_release(); });
+  run_units(M, P, 2 * kAmxR, kAMC, unit, [&] { _tile_loadconfig(&cfg); }, [] { _tile_release(); });
 }
 #endif
 
@@ -230,7 +135,7 @@ void gemm_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch:
   const bf16_t* pp = ptr<bf16_t>(packed);
   const bf16_t* bp = bias.numel() ? ptr<bf16_t>(bias) : nullptr;
   if (M == 0) return;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef PS_AMX
   if (use_amx && amx_usable()) {
     if (out.scalar_type() == torch::kFloat) amx_run(xp, x.stride(0), pp, M, K, P, N, bp, out.data_ptr<float>());
     else amx_run(xp, x.stride(0), pp, M, K, P, N, bp, mut_ptr<bf16_t>(out));
@@ -244,7 +149,7 @@ void gemm_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch:
 bool gemm_bf16_built() { return true; }
 
 bool gemm_bf16_amx() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef PS_AMX
   return amx_usable();
 #else
   return false;

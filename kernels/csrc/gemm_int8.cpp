@@ -12,6 +12,11 @@
 // FMA path takes each pair in that order too, so a row's result is bitwise the same in any batch, whichever path
 // runs it (denormal activations aside, which vdpbf16ps flushes).
 //
+// Where the CPU has AMX, 8+ bf16 rows take the widened panels through AMX tiles (amx.h) instead of vdpbf16ps: from
+// 8 rows they outrun the FMA tiles (below, widening each panel costs more than the FMA path's conversions). AMX
+// sums 32 k a step, not bitwise as the FMA path does, so there a row's result is the same in any batch of 8+ rows,
+// and in any of fewer, but not across the two.
+//
 // Written with GCC vector extensions (AVX-512, AVX2 or NEON, whatever -march=native gives) but for the vdpbf16ps
 // tile. Threads claim (block of rows, panel) units as the bf16 panel GEMM does.
 
@@ -124,22 +129,7 @@ inline int64_t next_rows(int64_t left, int64_t mr) {
   return mr;
 }
 
-// Calls unit(m0, m1, panel) for every (block of mb rows, panel), blocks first, over torch's threads.
-template <typename F>
-void for_units(int64_t M, int64_t P, int64_t mb, F unit) {
-  const int64_t units = (M + mb - 1) / mb * P, threads = std::min<int64_t>(at::get_num_threads(), units);
-  ChunkQueue queue(units, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (auto cur = queue.claim(); cur.first < units; cur = queue.claim())
-      for (int64_t u = cur.first; u < cur.second; ++u) unit(u / P * mb, std::min(M, u / P * mb + mb), u % P);
-  });
-}
-
-// Near-equal blocks of whole tiles, at most cap rows each.
-inline int64_t block_rows(int64_t M, int64_t cap, int64_t mr) {
-  const int64_t blocks = (M + cap - 1) / cap;
-  return ((M + blocks - 1) / blocks + mr - 1) / mr * mr;
-}
+inline void nothing() {}
 
 template <typename B, typename Out>
 void fma_run(const float* x, int64_t ldx, const int8_t* pp, const float* scale, const B* bias, int64_t M, int64_t K,
@@ -147,7 +137,7 @@ void fma_run(const float* x, int64_t ldx, const int8_t* pp, const float* scale, 
   const int64_t mr = kQMR;
   // Decode with one or two rows: units of np panels, run by one wide tile (or narrow ones for a short last group).
   const int64_t np = M == 1 ? kWidePanels1 : M == 2 ? kWidePanels2 : 1, groups = (P + np - 1) / np;
-  for_units(M, groups, block_rows(M, kQMC, mr), [&](int64_t m0, int64_t m1, int64_t g) {
+  run_units(M, groups, mr, kQMC, [&](int64_t m0, int64_t m1, int64_t g, int64_t) {
     const int64_t j0 = g * np, j1 = std::min(P, j0 + np);
     int64_t ncols[kWidePanels1];
     std::vector<Epilogue<B>> eps;
@@ -173,7 +163,7 @@ void fma_run(const float* x, int64_t ldx, const int8_t* pp, const float* scale, 
                                 ncols + (j - j0), eps.data() + (j - j0));
         m += rows;
       }
-  });
+  }, nothing, nothing);
 }
 
 #ifdef PS_INT8_DP
@@ -217,7 +207,7 @@ template <typename Out>
 void dp_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale, const bf16_t* bias, int64_t M,
             int64_t K, int64_t P, int64_t N, Out* y) {
   const int64_t K2 = K / 2;
-  for_units(M, P, block_rows(M, kDMC, kDMR), [&](int64_t m0, int64_t m1, int64_t j) {
+  run_units(M, P, kDMR, kDMC, [&](int64_t m0, int64_t m1, int64_t j, int64_t) {
     thread_local std::vector<bf16_t> w;
     if (static_cast<int64_t>(w.size()) < K * kQNR) w.resize(K * kQNR);
     widen_panel(pp + j * K * kQNR, K2, w.data());
@@ -228,8 +218,34 @@ void dp_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale, 
       kDpTiles<bf16_t, Out>[rows](x + m * ldx, ldx, w.data(), K2, y + m * N + n0, N, ncols, ep);
       m += rows;
     }
-  });
+  }, nothing, nothing);
 }
+
+#ifdef PS_AMX
+constexpr int64_t kAmxMinRows = 8;
+
+// bf16 rows on AMX: each panel widened as for vdpbf16ps, then amx_rows over it.
+template <typename Out>
+void amx_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale, const bf16_t* bias, int64_t M,
+             int64_t K, int64_t P, int64_t N, Out* y) {
+  const TileRows a(x, ldx, M, K);
+  const TileConfig cfg(M);
+  run_units(M, P, 2 * kAmxR, 256, [&](int64_t m0, int64_t m1, int64_t j, int64_t) {
+    thread_local std::vector<bf16_t> w;
+    if (static_cast<int64_t>(w.size()) < K * kQNR) w.resize(K * kQNR);
+    widen_panel(pp + j * K * kQNR, K / 2, w.data());
+    const PanelSteps b(w.data(), K);
+    const int64_t n0 = j * kQNR, ncols = std::min(kQNR, N - n0);
+    const Epilogue<bf16_t> ep(scale + n0, bias ? bias + n0 : nullptr, ncols);
+    alignas(64) float c[2 * kAmxR][kAmxN];
+    for (int64_t m = m0; m < m1; m += 2 * kAmxR) {
+      const int64_t rows = std::min(2 * kAmxR, m1 - m);
+      amx_rows(a, b, m, rows, nullptr, c, nullptr);
+      for (int64_t r = 0; r < rows; ++r) ep.store(y + (m + r) * N + n0, load16(c[r]), load16(c[r] + 16), ncols);
+    }
+  }, [&] { _tile_loadconfig(&cfg); }, [] { _tile_release(); });
+}
+#endif
 
 bool gemm_int8_dp_built() { return true; }
 #else
@@ -239,7 +255,8 @@ bool gemm_int8_dp_built() { return false; }
 // Rows of bf16 activations from which the vdpbf16ps path runs (below, widening each panel costs more than it saves).
 constexpr int64_t kDpMinRows = 16;
 
-void gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor bias, torch::Tensor out) {
+void gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor bias, torch::Tensor out,
+               bool use_amx) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && out.dim() == 2 && packed.size(2) == kQNR);
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "fp32 or bf16 activations");
   TORCH_CHECK(packed.scalar_type() == torch::kChar && scale.scalar_type() == torch::kFloat);
@@ -260,6 +277,13 @@ void gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch
   const bf16_t* xb = ptr<bf16_t>(x);
   const bf16_t* bp = has_bias ? ptr<bf16_t>(bias) : nullptr;
   const bool out_f32 = out.scalar_type() == torch::kFloat;
+#ifdef PS_AMX
+  if (use_amx && M >= kAmxMinRows && K % 2 == 0 && amx_usable()) {
+    if (out_f32) amx_run(xb, x.stride(0), pp, sp, bp, M, K, P, N, out.data_ptr<float>());
+    else amx_run(xb, x.stride(0), pp, sp, bp, M, K, P, N, mut_ptr<bf16_t>(out));
+    return;
+  }
+#endif
 #ifdef PS_INT8_DP
   if (M >= kDpMinRows && K % 2 == 0 && x.stride(0) % 2 == 0) {
     if (out_f32) dp_run(xb, x.stride(0), pp, sp, bp, M, K, P, N, out.data_ptr<float>());

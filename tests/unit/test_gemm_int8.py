@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_gemm_int8, torch_ref
+from pagedserve.kernels import cpu_gemm_bf16, cpu_gemm_int8, torch_ref
 from pagedserve.worker.cpu.packed_linear import linear
 from pagedserve.worker.cpu.packing import pack_linears
 from pagedserve.worker.layers.embedding import ParallelLMHead
@@ -15,6 +15,9 @@ from pagedserve.worker.layers.linear import ColumnParallelLinear, QKVParallelLin
 from pagedserve.worker.layers.quantization import quantize_linears
 
 pytestmark = pytest.mark.skipif(not cpu_gemm_int8.available(), reason="the C++ kernels do not build here")
+# bf16 rows: FMA tiles and vdpbf16ps, or AMX tiles for every row count (an even K) where the CPU has AMX.
+PATHS = [pytest.param(False, id="avx512"),
+         pytest.param(True, id="amx", marks=pytest.mark.skipif(not cpu_gemm_bf16.amx(), reason="no AMX here"))]
 
 
 def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
@@ -31,15 +34,18 @@ def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
                                    (16, 512, 64), (25, 257, 70), (40, 130, 96), (64, 1376, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_torch_ref(m, k, n, dtype, bias):
+@pytest.mark.parametrize("use_amx", PATHS)
+def test_matches_torch_ref(m, k, n, dtype, bias, use_amx):
+    if use_amx and dtype == torch.float32:
+        pytest.skip("fp32 rows take the FMA tiles on every CPU")
     q, scale, x, b = _case(m, k, n, dtype, seed=m * n + k)
     b = b if bias else None
     packed = cpu_gemm_int8.pack_weight(q, scale)
     want = torch_ref.int8_linear(x, q, scale, b, torch.float32).double()
-    got32 = cpu_gemm_int8.gemm(x, packed, b, torch.float32)
+    got32 = cpu_gemm_int8.gemm(x, packed, b, torch.float32, use_amx)
     assert got32.shape == (m, n) and got32.dtype == torch.float32
     torch.testing.assert_close(got32.double(), want, atol=2e-6 * k, rtol=1e-5)  # fp32 sums in another order
-    got = cpu_gemm_int8.gemm(x, packed, b)
+    got = cpu_gemm_int8.gemm(x, packed, b, use_amx=use_amx)
     assert got.dtype == dtype
     if dtype == torch.bfloat16:  # one rounding of the fp32 result
         torch.testing.assert_close(got.double(), want, atol=1e-5 * k, rtol=2 ** -8)
@@ -48,16 +54,25 @@ def test_matches_torch_ref(m, k, n, dtype, bias):
         torch.testing.assert_close(got, got32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_do_not_depend_on_the_batch(dtype):
-    """A row's result is bitwise the same alone (FMA tiles) and in any batch (for bf16 from 16 rows vdpbf16ps,
-    which adds each k pair's products in the order the FMA path does)."""
-    q, scale, x, _ = _case(260, 640, 70, dtype, seed=1)
+@pytest.mark.parametrize("dtype,use_amx", [
+    pytest.param(torch.float32, False, id="fp32"), pytest.param(torch.bfloat16, False, id="bf16-avx512"),
+    pytest.param(torch.bfloat16, True, id="bf16-amx", marks=PATHS[1].marks)])
+@pytest.mark.parametrize("k", [640, 650])
+def test_rows_do_not_depend_on_the_batch(dtype, use_amx, k):
+    """A row's result is bitwise the same alone and in any batch: FMA tiles, and for bf16 from 16 rows vdpbf16ps,
+    which adds each k pair's products in the order the FMA path does. On AMX, batches of 8+ rows (AMX tiles) agree
+    with each other, and batches of fewer (FMA tiles) with each other."""
+    q, scale, x, _ = _case(260, k, 70, dtype, seed=1)
     w = cpu_gemm_int8.pack_weight(q, scale)
-    batched = cpu_gemm_int8.gemm(x, w, out_dtype=torch.float32)
-    for r in (0, 5, 11, 12, 13, 239, 240, 259):
-        assert torch.equal(cpu_gemm_int8.gemm(x[r:r + 1], w, out_dtype=torch.float32), batched[r:r + 1])
-    assert torch.equal(cpu_gemm_int8.gemm(x[3:28], w, out_dtype=torch.float32), batched[3:28])
+
+    def gemm(rows: slice) -> torch.Tensor:
+        return cpu_gemm_int8.gemm(x[rows], w, out_dtype=torch.float32, use_amx=use_amx)
+
+    batched, few = gemm(slice(0, 260)), torch.cat([gemm(slice(r, r + 7)) for r in range(0, 260, 7)])
+    for r in (0, 5, 11, 12, 13, 15, 16, 31, 32, 239, 240, 255, 256, 259):
+        assert torch.equal(gemm(slice(r, r + 1)), (few if use_amx else batched)[r:r + 1])
+    for rows in (slice(3, 28), slice(0, 16), slice(7, 40), slice(250, 260), slice(100, 108)):
+        assert torch.equal(gemm(rows), batched[rows])
 
 
 def test_batched_shapes_and_zero_rows():
