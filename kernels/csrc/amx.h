@@ -54,7 +54,7 @@ struct TileRows {
 };
 
 // One panel [K/2, 32, 2] as B tiles: k steps of 16 pairs in place, the last one (where K is not whole k steps)
-// copied with zeros after it.
+// copied with zeros after it. amx_rows takes any type with its `steps` and `step(t)`.
 struct PanelSteps {
   const bf16_t* p;
   int64_t steps, whole;
@@ -71,7 +71,8 @@ struct PanelSteps {
 // c[r][0:32] = init + sum_k x[m + r][k] * panel[k][0:32] for the rows r < 32 that exist (m a multiple of 16; two A
 // tiles where rows > 16), init a row of 32 fp32 (or null: zeros). pf: bytes to prefetch into L2 alongside (a
 // panel's worth), or null. Needs the tile config loaded on this thread.
-inline void amx_rows(const TileRows& a, const PanelSteps& b, int64_t m, int64_t rows, const float* init,
+template <typename Steps>
+inline void amx_rows(const TileRows& a, const Steps& b, int64_t m, int64_t rows, const float* init,
                      float (*c)[kAmxN], const bf16_t* pf) {
   const bool two = rows > kAmxR;
   if (init != nullptr) {

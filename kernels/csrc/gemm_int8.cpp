@@ -224,25 +224,47 @@ void dp_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale, 
 #ifdef PS_AMX
 constexpr int64_t kAmxMinRows = 8;
 
-// bf16 rows on AMX: each panel widened as for vdpbf16ps, then amx_rows over it.
+// An int8 panel's B tiles widened a k step at a time into a buffer that stays in L1, for units of one row pair
+// (which read each step once): the same bf16 as widen_panel's, without the whole widened panel's trip through L2.
+struct WidenedSteps {
+  const int8_t* p;
+  int64_t K, steps;
+  mutable bf16_t buf[kAmxR * 2 * kAmxN] __attribute__((aligned(64)));
+  WidenedSteps(const int8_t* p_, int64_t K_) : p(p_), K(K_), steps((K_ + kAmxK - 1) / kAmxK) {}
+  const bf16_t* step(int64_t t) const {
+    const int64_t pairs = std::min<int64_t>(kAmxR, (K - t * kAmxK) / 2);
+    widen_panel(p + t * kAmxK * kQNR, pairs, buf);
+    if (pairs < kAmxR) std::memset(buf + pairs * 2 * kAmxN, 0, (kAmxR - pairs) * 2 * kAmxN * sizeof(bf16_t));
+    return buf;
+  }
+};
+
+// bf16 rows on AMX: each panel widened as for vdpbf16ps (a step at a time where the unit is one row pair), then
+// amx_rows over it.
 template <typename Out>
 void amx_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale, const bf16_t* bias, int64_t M,
              int64_t K, int64_t P, int64_t N, Out* y) {
   const TileRows a(x, ldx, M, K);
   const TileConfig cfg(M);
   run_units(M, P, 2 * kAmxR, 256, [&](int64_t m0, int64_t m1, int64_t j, int64_t) {
-    thread_local std::vector<bf16_t> w;
-    if (static_cast<int64_t>(w.size()) < K * kQNR) w.resize(K * kQNR);
-    widen_panel(pp + j * K * kQNR, K / 2, w.data());
-    const PanelSteps b(w.data(), K);
     const int64_t n0 = j * kQNR, ncols = std::min(kQNR, N - n0);
     const Epilogue<bf16_t> ep(scale + n0, bias ? bias + n0 : nullptr, ncols);
     alignas(64) float c[2 * kAmxR][kAmxN];
-    for (int64_t m = m0; m < m1; m += 2 * kAmxR) {
-      const int64_t rows = std::min(2 * kAmxR, m1 - m);
-      amx_rows(a, b, m, rows, nullptr, c, nullptr);
-      for (int64_t r = 0; r < rows; ++r) ep.store(y + (m + r) * N + n0, load16(c[r]), load16(c[r] + 16), ncols);
+    auto rows_over = [&](const auto& b) {
+      for (int64_t m = m0; m < m1; m += 2 * kAmxR) {
+        const int64_t rows = std::min(2 * kAmxR, m1 - m);
+        amx_rows(a, b, m, rows, nullptr, c, nullptr);
+        for (int64_t r = 0; r < rows; ++r) ep.store(y + (m + r) * N + n0, load16(c[r]), load16(c[r] + 16), ncols);
+      }
+    };
+    if (m1 - m0 <= 2 * kAmxR) {
+      rows_over(WidenedSteps(pp + j * K * kQNR, K));
+      return;
     }
+    thread_local std::vector<bf16_t> w;
+    if (static_cast<int64_t>(w.size()) < K * kQNR) w.resize(K * kQNR);
+    widen_panel(pp + j * K * kQNR, K / 2, w.data());
+    rows_over(PanelSteps(w.data(), K));
   }, [&] { _tile_loadconfig(&cfg); }, [] { _tile_release(); });
 }
 #endif
