@@ -12,10 +12,10 @@
 // FMA path takes each pair in that order too, so a row's result is bitwise the same in any batch, whichever path
 // runs it (denormal activations aside, which vdpbf16ps flushes).
 //
-// Where the CPU has AMX, 8+ bf16 rows take the widened panels through AMX tiles (amx.h) instead of vdpbf16ps: from
-// 8 rows they outrun the FMA tiles (below, widening each panel costs more than the FMA path's conversions). AMX
-// sums 32 k a step, not bitwise as the FMA path does, so there a row's result is the same in any batch of 8+ rows,
-// and in any of fewer, but not across the two.
+// Where the CPU has AMX, 4+ bf16 rows take the widened panels through AMX tiles (amx.h) instead: from 4 rows they
+// outrun the FMA tiles (below, widening each panel costs more than the FMA path's conversions). AMX sums 32 k a
+// step, not bitwise as the FMA path does, so there a row's result is the same in any batch of 4+ rows, and in any
+// of fewer, but not across the two.
 //
 // Written with GCC vector extensions (AVX-512, AVX2 or NEON, whatever -march=native gives) but for the vdpbf16ps
 // tile. Threads claim (block of rows, panel) units as the bf16 panel GEMM does.
@@ -222,16 +222,25 @@ void dp_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale, 
 }
 
 #ifdef PS_AMX
-constexpr int64_t kAmxMinRows = 8;
+constexpr int64_t kAmxMinRows = 4;
 
 // An int8 panel's B tiles widened a k step at a time into a buffer that stays in L1, for units of one row pair
 // (which read each step once): the same bf16 as widen_panel's, without the whole widened panel's trip through L2.
+// Alongside, the step two ahead is fetched into L1 and the same step of the thread's next panel (pf, or null) into
+// L2: decode reads panels from memory, once.
 struct WidenedSteps {
   const int8_t* p;
+  const int8_t* pf;
   int64_t K, steps;
   mutable bf16_t buf[kAmxR * 2 * kAmxN] __attribute__((aligned(64)));
-  WidenedSteps(const int8_t* p_, int64_t K_) : p(p_), K(K_), steps((K_ + kAmxK - 1) / kAmxK) {}
+  WidenedSteps(const int8_t* p_, const int8_t* pf_, int64_t K_)
+      : p(p_), pf(pf_), K(K_), steps((K_ + kAmxK - 1) / kAmxK) {}
   const bf16_t* step(int64_t t) const {
+    constexpr int64_t bytes = kAmxK * kQNR;
+    for (int64_t i = 0; i < bytes; i += 64) {
+      if (t + 2 < steps) _mm_prefetch(reinterpret_cast<const char*>(p + (t + 2) * bytes + i), _MM_HINT_T0);
+      if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + t * bytes + i), _MM_HINT_T1);
+    }
     const int64_t pairs = std::min<int64_t>(kAmxR, (K - t * kAmxK) / 2);
     widen_panel(p + t * kAmxK * kQNR, pairs, buf);
     if (pairs < kAmxR) std::memset(buf + pairs * 2 * kAmxN, 0, (kAmxR - pairs) * 2 * kAmxN * sizeof(bf16_t));
@@ -246,7 +255,7 @@ void amx_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale,
              int64_t K, int64_t P, int64_t N, Out* y) {
   const TileRows a(x, ldx, M, K);
   const TileConfig cfg(M);
-  run_units(M, P, 2 * kAmxR, 256, [&](int64_t m0, int64_t m1, int64_t j, int64_t) {
+  run_units(M, P, 2 * kAmxR, 256, [&](int64_t m0, int64_t m1, int64_t j, int64_t next) {
     const int64_t n0 = j * kQNR, ncols = std::min(kQNR, N - n0);
     const Epilogue<bf16_t> ep(scale + n0, bias ? bias + n0 : nullptr, ncols);
     alignas(64) float c[2 * kAmxR][kAmxN];
@@ -258,7 +267,7 @@ void amx_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale,
       }
     };
     if (m1 - m0 <= 2 * kAmxR) {
-      rows_over(WidenedSteps(pp + j * K * kQNR, K));
+      rows_over(WidenedSteps(pp + j * K * kQNR, next < 0 ? nullptr : pp + next * K * kQNR, K));
       return;
     }
     thread_local std::vector<bf16_t> w;
