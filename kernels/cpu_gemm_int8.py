@@ -54,8 +54,8 @@ def pack_weight(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | N
 def gemm(x: torch.Tensor, weight: Int8PanelWeight, bias: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, use_amx: bool = True) -> torch.Tensor:
     """``(x @ q.T) * scale + bias`` for fp32 or bf16 ``x [..., K]``, ``weight = pack_weight(q, scale)`` and a
-    ``bias`` of x's dtype, summed in fp32 and rounded once to x's dtype, or kept fp32 (``out_dtype``). bf16 rows run
-    on AMX tiles where the CPU has them unless ``use_amx=False`` (tests, benchmarks)."""
+    ``bias`` of x's dtype, summed in fp32 and rounded once to x's dtype, or kept fp32 (``out_dtype``). From 4 bf16
+    rows on AMX tiles where the CPU has them, unless ``use_amx=False`` (tests, benchmarks)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

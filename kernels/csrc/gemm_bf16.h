@@ -1,5 +1,5 @@
 #pragma once
-// bf16 GEMM on AVX512-BF16, on weights packed into k-pair panels of 32 columns.
+// bf16 GEMM on AVX512-BF16 or AMX tiles, on weights packed into k-pair panels of 32 columns.
 #include "amx.h"
 #include "common.h"
 
