@@ -15,9 +15,11 @@ from pagedserve.worker.layers.linear import ColumnParallelLinear, QKVParallelLin
 from pagedserve.worker.layers.quantization import quantize_linears
 
 pytestmark = pytest.mark.skipif(not cpu_gemm_int8.available(), reason="the C++ kernels do not build here")
-# bf16 rows: FMA tiles and vdpbf16ps, or from 4 rows AMX tiles (an even K) where the CPU has AMX.
-PATHS = [pytest.param(False, id="avx512"),
-         pytest.param(True, id="amx", marks=pytest.mark.skipif(not cpu_gemm_bf16.amx(), reason="no AMX here"))]
+# fp32 rows: FMA tiles. bf16 rows: FMA tiles and vdpbf16ps, or from 4 rows AMX tiles (an even K) where the CPU has
+# AMX.
+ACTIVATIONS = [pytest.param(torch.float32, False, id="fp32"), pytest.param(torch.bfloat16, False, id="bf16-avx512"),
+               pytest.param(torch.bfloat16, True, id="bf16-amx",
+                            marks=pytest.mark.skipif(not cpu_gemm_bf16.amx(), reason="no AMX here"))]
 
 
 def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
@@ -32,12 +34,9 @@ def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
 # N: partial panels, one column, several panels; K: odd, 1, below and past a vector's width.
 @pytest.mark.parametrize("m,k,n", [(1, 17, 33), (2, 1, 5), (3, 64, 31), (8, 129, 100), (9, 96, 1), (13, 300, 37),
                                    (16, 512, 64), (25, 257, 70), (40, 130, 96), (64, 1376, 80)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,use_amx", ACTIVATIONS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("use_amx", PATHS)
 def test_matches_torch_ref(m, k, n, dtype, bias, use_amx):
-    if use_amx and dtype == torch.float32:
-        pytest.skip("fp32 rows take the FMA tiles on every CPU")
     q, scale, x, b = _case(m, k, n, dtype, seed=m * n + k)
     b = b if bias else None
     packed = cpu_gemm_int8.pack_weight(q, scale)
@@ -54,9 +53,7 @@ def test_matches_torch_ref(m, k, n, dtype, bias, use_amx):
         torch.testing.assert_close(got, got32)
 
 
-@pytest.mark.parametrize("dtype,use_amx", [
-    pytest.param(torch.float32, False, id="fp32"), pytest.param(torch.bfloat16, False, id="bf16-avx512"),
-    pytest.param(torch.bfloat16, True, id="bf16-amx", marks=PATHS[1].marks)])
+@pytest.mark.parametrize("dtype,use_amx", ACTIVATIONS)
 @pytest.mark.parametrize("k", [640, 650])
 def test_rows_do_not_depend_on_the_batch(dtype, use_amx, k):
     """A row's result is bitwise the same alone and in any batch: FMA tiles, and for bf16 from 16 rows vdpbf16ps,
