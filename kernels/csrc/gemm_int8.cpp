@@ -183,6 +183,14 @@ inline void widen_panel(const int8_t* p, int64_t K2, bf16_t* w) {
     }
 }
 
+// A whole panel of K (even) widened into this thread's buffer, which the next call overwrites.
+inline const bf16_t* widened_panel(const int8_t* p, int64_t K) {
+  thread_local std::vector<bf16_t> w;
+  if (static_cast<int64_t>(w.size()) < K * kQNR) w.resize(K * kQNR);
+  widen_panel(p, K / 2, w.data());
+  return w.data();
+}
+
 template <int MR, typename B, typename Out>
 void dp_tile(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K2, Out* y, int64_t ldy, int64_t ncols,
              const Epilogue<B>& ep) {
@@ -208,14 +216,12 @@ void dp_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale, 
             int64_t K, int64_t P, int64_t N, Out* y) {
   const int64_t K2 = K / 2;
   run_units(M, P, kDMR, kDMC, [&](int64_t m0, int64_t m1, int64_t j, int64_t) {
-    thread_local std::vector<bf16_t> w;
-    if (static_cast<int64_t>(w.size()) < K * kQNR) w.resize(K * kQNR);
-    widen_panel(pp + j * K * kQNR, K2, w.data());
+    const bf16_t* w = widened_panel(pp + j * K * kQNR, K);
     const int64_t n0 = j * kQNR, ncols = std::min(kQNR, N - n0);
     const Epilogue<bf16_t> ep(scale + n0, bias ? bias + n0 : nullptr, ncols);
     for (int64_t m = m0; m < m1;) {
       const int64_t rows = next_rows(m1 - m, kDMR);
-      kDpTiles<bf16_t, Out>[rows](x + m * ldx, ldx, w.data(), K2, y + m * N + n0, N, ncols, ep);
+      kDpTiles<bf16_t, Out>[rows](x + m * ldx, ldx, w, K2, y + m * N + n0, N, ncols, ep);
       m += rows;
     }
   }, nothing, nothing);
@@ -270,10 +276,7 @@ void amx_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale,
       rows_over(WidenedSteps(pp + j * K * kQNR, next < 0 ? nullptr : pp + next * K * kQNR, K));
       return;
     }
-    thread_local std::vector<bf16_t> w;
-    if (static_cast<int64_t>(w.size()) < K * kQNR) w.resize(K * kQNR);
-    widen_panel(pp + j * K * kQNR, K / 2, w.data());
-    rows_over(PanelSteps(w.data(), K));
+    rows_over(PanelSteps(widened_panel(pp + j * K * kQNR, K), K));
   }, [&] { _tile_loadconfig(&cfg); }, [] { _tile_release(); });
 }
 #endif
