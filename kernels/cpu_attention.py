@@ -1,7 +1,9 @@
 """Paged attention for CPUs in C++: decodes and prefill chunks of one step in one call, fp32 or bf16 (on AVX512-BF16
-CPUs bf16 items go to their own kernel), over a cache of the query's dtype or fp8.
+CPUs bf16 items go to their own kernel, and on AMX CPUs bf16 prefill rows to tiles), over a cache of the query's
+dtype or fp8.
 
-The kernel: ``csrc/attention.cpp`` (bf16 on AVX512-BF16: ``csrc/attention_bf16.cpp``).
+The kernel: ``csrc/attention.cpp`` (bf16 on AVX512-BF16: ``csrc/attention_bf16.cpp``; bf16 prefill on AMX:
+``csrc/attention_amx.cpp``).
 """
 from __future__ import annotations
 
@@ -26,13 +28,15 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     out: torch.Tensor | None = None, *, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Same arguments and result as :func:`pagedserve.kernels.torch_ref.paged_attention`."""
+                    logits_soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    use_amx: bool = True) -> torch.Tensor:
+    """Same arguments and result as :func:`pagedserve.kernels.torch_ref.paged_attention`. ``use_amx=False`` keeps
+    bf16 prefill rows off AMX tiles (for tests and benchmarks; decode rows never use them)."""
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
     cpu_extension.load().paged_attention(query, k_cache, v_cache, _int32(block_tables), _int32(query_start_loc),
                                          _int32(seq_lens), scale, out, sliding_window or 0, logits_soft_cap or 0.0,
-                                         k_scale, v_scale)
+                                         k_scale, v_scale, use_amx)
     return out
 
 

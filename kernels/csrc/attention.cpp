@@ -214,7 +214,7 @@ std::vector<AttnItem> plan(const int32_t* qsl, const int32_t* sl, int64_t B, con
 
 void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale, torch::Tensor out,
-                     int64_t sliding_window, double logits_soft_cap, double k_scale, double v_scale) {
+                     int64_t sliding_window, double logits_soft_cap, double k_scale, double v_scale, bool use_amx) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && out.dim() == 3);
   const auto cache_type = k_cache.scalar_type();
   const bool fp8 = cache_type == torch::kFloat8_e4m3fn || cache_type == torch::kFloat8_e5m2;
@@ -245,6 +245,7 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   // The bf16 kernel packs each item's V rows once: larger items (128 query vectors) share that. It takes windows
   // on decode rows only and no soft-cap; the generic kernel takes the rest.
   const bool bf16_kernel = cache_type == torch::kBFloat16 && attention_bf16_takes(sh) && sh.soft_cap == 0.f;
+  sh.amx = bf16_kernel && use_amx && attention_amx_usable();
   int64_t slots = 0;
   const std::vector<AttnItem> items = plan(qsl, sl, B, sh, bf16_kernel ? std::max<int64_t>(1, 128 / sh.G) : 32,
                                            kDecodePartKeys, &slots);

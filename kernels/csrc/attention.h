@@ -10,6 +10,7 @@ struct AttnShape {
   int64_t window = 0;   // sliding window: a query at position p sees keys > p - window (0: every key)
   float soft_cap = 0.f;  // scores = soft_cap * tanh(scores / soft_cap) before the softmax (0: none)
   float v_scale = 1.f;   // an fp8 V cache's scale, applied to the output (K's is folded into `scale`)
+  bool amx = false;      // the bf16 kernel's prefill items on AMX tiles (attention_amx.cpp)
   // The lowest key position a query at position p attends.
   int64_t first_key(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
 };
@@ -56,11 +57,18 @@ bool attention_bf16_takes(const AttnShape& sh);
 void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
                       const AttnItem& it, const AttnShape& sh, const DecodeParts& split);
 
+// Defined in attention_amx.cpp: whether the CPU (and the OS) let this process use AMX tiles, and one prefill item of
+// the bf16 kernel (a sequence's rows [r0, r1) for KV head h0) on them.
+bool attention_amx_usable();
+void prefill_item_amx(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+                      const AttnItem& it, const AttnShape& sh);
+
 // query [T, Hq, D], caches [blocks, block_size, Hkv, D] of query's dtype or fp8 (read as byte x k_scale / v_scale),
 // int32 tables; writes out [T, Hq, D]. Block-table entries wholly below a row's sliding window are never read.
+// use_amx: bf16 prefill rows on AMX tiles where the CPU has them (else, and for decode rows, vdpbf16ps).
 void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale, torch::Tensor out,
                      int64_t sliding_window = 0, double logits_soft_cap = 0.0, double k_scale = 1.0,
-                     double v_scale = 1.0);
+                     double v_scale = 1.0, bool use_amx = true);
 
 }  // namespace ps

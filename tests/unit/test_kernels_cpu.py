@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import cpu_attention, cpu_extension, cpu_fused, cpu_gemm, get_backend, torch_ref
+from pagedserve.kernels import cpu_attention, cpu_extension, cpu_fused, cpu_gemm, cpu_gemm_bf16, get_backend, torch_ref
 from pagedserve.tests.utils import paged_case
 from pagedserve.worker.cpu.hugepages import HUGE_PAGE, zeros_huge_pages
 from pagedserve.worker.cpu.packed_linear import linear
@@ -19,6 +19,9 @@ from pagedserve.worker.layers.rotary import RotaryEmbedding
 
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)  # a few bf16 ulps (2^-8 relative) on values of order 1
 FP32_TOL = dict(atol=2e-5, rtol=1e-5)
+# bf16 prefill rows: on vdpbf16ps, and on AMX tiles where this CPU has them.
+PREFILL_KERNELS = [pytest.param(False, id="avx512"),
+                   pytest.param(True, id="amx", marks=pytest.mark.skipif(not cpu_gemm_bf16.amx(), reason="no AMX"))]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,15 +49,35 @@ def test_attention_matches_reference(dtype, gqa, block_size, head_size):
     torch.testing.assert_close(got.float(), reference_fp32(*case), **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
 
 
-@pytest.mark.parametrize("gqa,head_size,block_size", [(1, 64, 16), (4, 128, 8), (2, 32, 32)])
-def test_bf16_attention_long_prefills(gqa, head_size, block_size):
+@pytest.mark.parametrize("use_amx", PREFILL_KERNELS)
+@pytest.mark.parametrize("gqa,head_size,block_size", [(1, 64, 16), (4, 128, 8), (2, 32, 32), (7, 64, 16),
+                                                      (4, 96, 16), (1, 256, 16)])
+def test_bf16_attention_long_prefills(gqa, head_size, block_size, use_amx):
     """Past the bf16 kernel's 128-query-vector items and 16-vector tiles: prompts of 150 and 300 rows (one after a
-    long cached prefix), odd key counts, beside decodes with 1 and 700 keys."""
-    case = paged_case([150, 1, 37, 300, 1], [0, 700, 17, 211, 0], gqa, block_size, head_size, torch.bfloat16,
-                      seed=gqa + head_size)
+    long cached prefix), odd key counts, short prompts, beside decodes with 1 and 700 keys; GQA groups that split
+    rows across tiles (7), head sizes of one to eight 32-element steps."""
+    case = paged_case([150, 1, 37, 300, 1, 5, 2], [0, 700, 17, 211, 0, 3, 40], gqa, block_size, head_size,
+                      torch.bfloat16, seed=gqa + head_size)
     want = reference_fp32(*case)
     assert want.abs().mean() > 0.1  # outputs well above the tolerance: errors of 8e-3 at most were measured
-    torch.testing.assert_close(cpu_attention.paged_attention(*case).float(), want, atol=1e-2, rtol=2e-2)
+    got = cpu_attention.paged_attention(*case, use_amx=use_amx).float()
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("use_amx", PREFILL_KERNELS)
+@pytest.mark.parametrize("gqa,head_size", [(1, 64), (7, 64), (4, 128)])
+def test_bf16_prefill_rows_do_not_depend_on_the_batch_or_the_chunking(gqa, head_size, use_amx):
+    """A prompt's rows are bitwise the same prefilled alone, beside other sequences, and as a later chunk after
+    its first rows are cached: every sum runs over the same key steps from key 0, whatever tile a row lands in."""
+    case = paged_case([300, 37, 1, 150], [0, 17, 90, 0], gqa, 16, head_size, torch.bfloat16, seed=gqa + head_size)
+    q, k, v, table, qsl, seq_lens, scale = case
+    batch = cpu_attention.paged_attention(*case, use_amx=use_amx)
+    alone = cpu_attention.paged_attention(q[:300], k, v, table[:1], qsl[:2], seq_lens[:1], scale, use_amx=use_amx)
+    assert torch.equal(alone, batch[:300])
+    for first in (170, 7, 299):  # rows [first, 300) as the chunk after [0, first)
+        chunk = cpu_attention.paged_attention(q[first:300], k, v, table[:1], torch.tensor([0, 300 - first]).int(),
+                                              seq_lens[:1], scale, use_amx=use_amx)
+        assert torch.equal(chunk, alone[first:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
