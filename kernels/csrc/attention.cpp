@@ -166,7 +166,8 @@ void attend_item(const T* q, const C* kc, const C* vc, T* out, const int32_t* ta
 template <typename T, typename C>
 inline bool attend_bf16_if(const T*, const C*, const C*, T*, const int32_t*, const AttnItem&, const AttnShape&,
                            const DecodeParts&) { return false; }
-inline bool attend_bf16_if(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+template <typename C>
+inline bool attend_bf16_if(const bf16_t* q, const C* kc, const C* vc, bf16_t* out, const int32_t* table,
                            const AttnItem& it, const AttnShape& sh, const DecodeParts& split) {
   attend_item_bf16(q, kc, vc, out, table, it, sh, split);
   return true;
@@ -242,9 +243,10 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   const int32_t* qsl = qsl_c.data_ptr<int32_t>();
   const int32_t* sl = sl_c.data_ptr<int32_t>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
-  // The bf16 kernel packs each item's V rows once: larger items (128 query vectors) share that. It takes windows
-  // on decode rows only and no soft-cap; the generic kernel takes the rest.
-  const bool bf16_kernel = cache_type == torch::kBFloat16 && attention_bf16_takes(sh) && sh.soft_cap == 0.f;
+  // The bf16 kernel (bf16 queries over a bf16 or fp8 cache) packs each item's V rows once: larger items (128 query
+  // vectors) share that. It takes windows on decode rows only and no soft-cap; the generic kernel takes the rest.
+  const bool bf16_kernel = query.scalar_type() == torch::kBFloat16 && (cache_type == torch::kBFloat16 || fp8) &&
+                           attention_bf16_takes(sh) && sh.soft_cap == 0.f;
   sh.amx = bf16_kernel && use_amx && attention_amx_usable();
   int64_t slots = 0;
   const std::vector<AttnItem> items = plan(qsl, sl, B, sh, bf16_kernel ? std::max<int64_t>(1, 128 / sh.G) : 32,

@@ -52,15 +52,18 @@ inline void combine_parts(const float* parts, int64_t n, const AttnShape& sh, fl
   }
 }
 
-// Defined in attention_bf16.cpp (where the compiler targets AVX512-BF16: else the first says no).
+// Defined in attention_bf16.cpp (where the compiler targets AVX512-BF16: else the first says no), for bf16 and fp8
+// caches.
 bool attention_bf16_takes(const AttnShape& sh);
-void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+template <typename C>
+void attend_item_bf16(const bf16_t* q, const C* kc, const C* vc, bf16_t* out, const int32_t* table,
                       const AttnItem& it, const AttnShape& sh, const DecodeParts& split);
 
 // Defined in attention_amx.cpp: whether the CPU (and the OS) let this process use AMX tiles, and one prefill item of
 // the bf16 kernel (a sequence's rows [r0, r1) for KV head h0) on them.
 bool attention_amx_usable();
-void prefill_item_amx(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+template <typename C>
+void prefill_item_amx(const bf16_t* q, const C* kc, const C* vc, bf16_t* out, const int32_t* table,
                       const AttnItem& it, const AttnShape& sh);
 
 // query [T, Hq, D], caches [blocks, block_size, Hkv, D] of query's dtype or fp8 (read as byte x k_scale / v_scale),

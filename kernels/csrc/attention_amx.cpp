@@ -12,8 +12,8 @@
 #include "amx.h"
 #include "bf16_simd.h"
 
-#if defined(PS_AMX) && defined(PS_AVX512_BF16)
 namespace ps {
+#if defined(PS_AMX) && defined(PS_AVX512_BF16)
 namespace {
 
 constexpr int64_t kStep = 32;  // keys per k step of P V, and the unit every key count is rounded up to
@@ -43,43 +43,36 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// Head h's rows of keys [t, t + 16) (those below n that exist) into L1.
-inline void prefetch_keys(const bf16_t* cache, const int64_t* off, int64_t t, int64_t n, int64_t h,
-                          const AttnShape& sh) {
-  for (int64_t u = t; u < std::min(t + 16, n); ++u)
-    if (off[u] >= 0)
-      for (int64_t b = 0; b < sh.D * int64_t(sizeof(bf16_t)); b += 64)
-        _mm_prefetch((const char*)(cache + off[u] + h * sh.D) + b, _MM_HINT_T0);
-}
-
-// kt[dd * Lp + t] = (k[t][2dd], k[t][2dd + 1]) for head h's d pairs dd < D / 2 and keys t < Lp (rows off[t] < 0:
-// zeros).
-void keys_transposed(const bf16_t* kc, const int64_t* off, int64_t Lp, int64_t h, const AttnShape& sh, int32_t* kt) {
-  const bf16_t* zero = abf::zero_row(sh.tok_stride);
+// kt[dd * Lp + t] = (k[t][2dd], k[t][2dd + 1]) for head h's d pairs dd < D / 2 and keys t < Lp (zeros from L on).
+template <typename C>
+void keys_transposed(const C* kc, const int64_t* off, int64_t L, int64_t Lp, int64_t h, const AttnShape& sh,
+                     int32_t* kt) {
+  const C* zero = abf::zero_row<C>(sh.tok_stride);
   for (int64_t t0 = 0; t0 < Lp; t0 += 16)
     for (int64_t c = 0; c < sh.D / 32; ++c) {
       __m512i r[16];
-      if (c == 0) prefetch_keys(kc, off, t0 + 16, Lp, h, sh);
-      for (int j = 0; j < 16; ++j)
-        r[j] = _mm512_loadu_si512((off[t0 + j] < 0 ? zero : kc + off[t0 + j] + h * sh.D) + 32 * c);
+      if (c == 0) abf::prefetch_rows(kc, off, t0 + 16, L, h * sh.D, sh.D * int64_t(sizeof(C)), true);
+      for (int j = 0; j < 16; ++j) r[j] = abf::load_row32((off[t0 + j] < 0 ? zero : kc + off[t0 + j] + h * sh.D) + 32 * c);
       transpose16(r);
       for (int j = 0; j < 16; ++j) _mm512_storeu_si512(kt + (16 * c + j) * Lp + t0, r[j]);
     }
 }
 
-// vp[tp * D + d] = (v[2tp][d], v[2tp + 1][d]) for head h and key pairs tp < Lp / 2.
-void values_paired(const bf16_t* vc, const int64_t* off, int64_t Lp, int64_t h, const AttnShape& sh, int32_t* vp) {
-  const bf16_t* zero = abf::zero_row(sh.tok_stride);
+// vp[tp * D + d] = (v[2tp][d], v[2tp + 1][d]) for head h and key pairs tp < Lp / 2 (zeros from L on).
+template <typename C>
+void values_paired(const C* vc, const int64_t* off, int64_t L, int64_t Lp, int64_t h, const AttnShape& sh,
+                   int32_t* vp) {
+  const C* zero = abf::zero_row<C>(sh.tok_stride);
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   const int64_t D = sh.D;
   for (int64_t tp = 0; tp < Lp / 2; ++tp) {
-    if (tp % 8 == 0) prefetch_keys(vc, off, 2 * tp + 16, Lp, h, sh);
-    const bf16_t* a = off[2 * tp] < 0 ? zero : vc + off[2 * tp] + h * D;
-    const bf16_t* b = off[2 * tp + 1] < 0 ? zero : vc + off[2 * tp + 1] + h * D;
+    if (tp % 8 == 0) abf::prefetch_rows(vc, off, 2 * tp + 16, L, h * D, D * int64_t(sizeof(C)), true);
+    const C* a = off[2 * tp] < 0 ? zero : vc + off[2 * tp] + h * D;
+    const C* b = off[2 * tp + 1] < 0 ? zero : vc + off[2 * tp + 1] + h * D;
     for (int64_t c = 0; c < D; c += 32) {
-      const __m512i x = _mm512_loadu_si512(a + c), y = _mm512_loadu_si512(b + c);
+      const __m512i x = abf::load_row32(a + c), y = abf::load_row32(b + c);
       _mm512_storeu_si512(vp + tp * D + c, _mm512_permutex2var_epi16(x, lo, y));
       _mm512_storeu_si512(vp + tp * D + c + 16, _mm512_permutex2var_epi16(x, hi, y));
     }
@@ -150,7 +143,8 @@ inline float row_weights(const float* s, int64_t n, int64_t ldp, float scale, bf
 
 bool attention_amx_usable() { return amx_usable(); }
 
-void prefill_item_amx(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+template <typename C>
+void prefill_item_amx(const bf16_t* q, const C* kc, const C* vc, bf16_t* out, const int32_t* table,
                       const AttnItem& it, const AttnShape& sh) {
   const int64_t G = sh.G, D = sh.D, h = it.h0, nq = (it.r1 - it.r0) * G;
   const int64_t L = it.ctx0 + it.r1, Lp = (L + kStep - 1) / kStep * kStep;
@@ -160,8 +154,8 @@ void prefill_item_amx(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_
   kt.resize(D / 2 * Lp);
   vp.resize(Lp / 2 * D);
   const int64_t* off = abf::token_offsets(table, 0, L, Lp - L, sh);
-  keys_transposed(kc, off, Lp, h, sh, kt.data());
-  values_paired(vc, off, Lp, h, sh, vp.data());
+  keys_transposed(kc, off, L, Lp, h, sh, kt.data());
+  values_paired(vc, off, L, Lp, h, sh, vp.data());
   const TileConfig cfg(16);
   _tile_loadconfig(&cfg);
   Q.resize(16 * D);
@@ -198,7 +192,7 @@ void prefill_item_amx(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_
                    S.data() + t0, Lt);
     float inv[16];
     for (int64_t i = 0; i < nv; ++i)
-      inv[i] = 1.f / row_weights(&S[i * Lt], keys[i], Lt, sh.scale, &P[i * Lt]);
+      inv[i] = sh.v_scale / row_weights(&S[i * Lt], keys[i], Lt, sh.scale, &P[i * Lt]);
     for (int64_t d0 = 0; d0 < D; d0 += 64)  // O = P V, 64 columns (32 at the end) a pass
       tile_product(P.data(), Lt * 2, vp.data() + d0, D * 4, 16 * D, Lt / kStep, D - d0 >= 64 ? 4 : 2,
                    O.data() + d0, D);
@@ -211,14 +205,19 @@ void prefill_item_amx(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_
   }
   _tile_release();
 }
-
-}  // namespace ps
 #else
-namespace ps {
 bool attention_amx_usable() { return false; }
-void prefill_item_amx(const bf16_t*, const bf16_t*, const bf16_t*, bf16_t*, const int32_t*, const AttnItem&,
-                      const AttnShape&) {
+template <typename C>
+void prefill_item_amx(const bf16_t*, const C*, const C*, bf16_t*, const int32_t*, const AttnItem&, const AttnShape&) {
   TORCH_CHECK(false, "built without AMX");
 }
-}  // namespace ps
 #endif
+
+template void prefill_item_amx<bf16_t>(const bf16_t*, const bf16_t*, const bf16_t*, bf16_t*, const int32_t*,
+                                       const AttnItem&, const AttnShape&);
+template void prefill_item_amx<fp8_e4m3_t>(const bf16_t*, const fp8_e4m3_t*, const fp8_e4m3_t*, bf16_t*,
+                                           const int32_t*, const AttnItem&, const AttnShape&);
+template void prefill_item_amx<fp8_e5m2_t>(const bf16_t*, const fp8_e5m2_t*, const fp8_e5m2_t*, bf16_t*,
+                                           const int32_t*, const AttnItem&, const AttnShape&);
+
+}  // namespace ps

@@ -64,8 +64,9 @@ inline float softmax_row(float* s, int64_t n, float* max_out) {
 
 // Two keys' V rows interleaved for vdpbf16ps: for 32 elements of d from c, word 4l + i of `lo` is
 // (a[8l + i], b[8l + i]) and of `hi` (a[8l + 4 + i], b[8l + 4 + i]), l < 4, i < 4.
-inline void interleave(const bf16_t* a, const bf16_t* b, __m512bh& lo, __m512bh& hi) {
-  const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
+template <typename C>
+inline void interleave(const C* a, const C* b, __m512bh& lo, __m512bh& hi) {
+  const __m512i x = load_row32(a), y = load_row32(b);
   lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
   hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
 }
@@ -79,31 +80,20 @@ inline void store_interleaved(bf16_t* dst, __m512 lo, __m512 hi, __m512 w) {
   _mm256_storeu_si256((__m256i*)(dst + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(second, w)));
 }
 
-// Prefetches `bytes` from `skip` elements into the rows of keys [t, min(t + 16, L)): into L1 where `to_l1`, else
-// into L2.
-inline void prefetch_rows(const bf16_t* cache, const int64_t* off, int64_t t, int64_t L, int64_t skip,
-                          int64_t bytes, bool to_l1) {
-  for (int64_t u = t; u < std::min(t + 16, L); ++u)
-    for (int64_t b = 0; b < bytes; b += 64) {
-      const char* p = (const char*)(cache + off[u] + skip) + b;
-      if (to_l1) _mm_prefetch(p, _MM_HINT_T0);
-      else _mm_prefetch(p, _MM_HINT_T1);
-    }
-}
-
 // Whether the decode keys in flight (the chunk in use and 32 keys ahead: 48 rows) fit in L1D; where they do not,
 // L1 prefetches are evicted before use, so prefetch into L2.
+template <typename C>
 inline bool prefetch_to_l1(const AttnShape& sh) {
   static const int64_t l1d = [] { const long n = sysconf(_SC_LEVEL1_DCACHE_SIZE); return n > 0 ? n : 32 << 10; }();
-  return 48 * sh.tok_stride * int64_t(sizeof(bf16_t)) <= l1d;
+  return 48 * sh.tok_stride * int64_t(sizeof(C)) <= l1d;
 }
 
 // One query row (`qrow`, every head) against keys [t0, t1) of its sequence, 16 keys at a time (their rows, all
 // heads, while in L1): per head hq, m[hq] = the highest score, l[hq] = the sum of exp(score - m[hq]) and acc[hq *
 // D:] = the sum of bf16(exp(score - m[hq])) x V, in the value pass's interleaved order (store_interleaved undoes
 // it). DV = D / 32.
-template <int DV>
-void decode_range(const bf16_t* qrow, const bf16_t* kc, const bf16_t* vc, const int32_t* table, int64_t t0,
+template <int DV, typename C>
+void decode_range(const bf16_t* qrow, const C* kc, const C* vc, const int32_t* table, int64_t t0,
                   int64_t t1, const AttnShape& sh, float* m, float* l, float* acc) {
   constexpr int64_t D = 32 * DV;
   thread_local std::vector<float> S;
@@ -112,25 +102,25 @@ void decode_range(const bf16_t* qrow, const bf16_t* kc, const bf16_t* vc, const 
   S.resize(Hq * Lp);
   P.resize(Hq * Lp);
   std::fill(acc, acc + Hq * D, 0.f);
-  const bf16_t* zero = zero_row(sh.tok_stride);
+  const C* zero = zero_row<C>(sh.tok_stride);
   const int64_t* off = token_offsets(table, t0, t1, Lp - L, sh);
   const __m512 scale = _mm512_set1_ps(sh.scale);
-  const bf16_t* rows[16];
+  const C* rows[16];
   // Rows 32 keys ahead are prefetched while a chunk is scored or summed; the chunk after the first one, here.
-  const bool l1 = prefetch_to_l1(sh);
-  prefetch_rows(kc, off, 16, L, 0, sh.tok_stride * 2, l1);
+  const bool l1 = prefetch_to_l1<C>(sh);
+  prefetch_rows(kc, off, 16, L, 0, sh.tok_stride * int64_t(sizeof(C)), l1);
   for (int64_t u0 = 0; u0 < L; u0 += 16) {
     for (int j = 0; j < 16; ++j) rows[j] = off[u0 + j] < 0 ? zero : kc + off[u0 + j];
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / G;
-      if (hq % G == 0) prefetch_rows(kc, off, u0 + 32, L, h * D, D * 2, l1);
+      if (hq % G == 0) prefetch_rows(kc, off, u0 + 32, L, h * D, D * int64_t(sizeof(C)), l1);
       __m512bh qv[DV];
       for (int c = 0; c < DV; ++c) qv[c] = load_bh(qrow + hq * D + 32 * c);
       __m512 a[16];
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
         __m512 x = _mm512_setzero_ps();
-        for (int c = 0; c < DV; ++c) x = _mm512_dpbf16_ps(x, qv[c], load_bh(rows[j] + h * D + 32 * c));
+        for (int c = 0; c < DV; ++c) x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)load_row32(rows[j] + h * D + 32 * c));
         a[j] = x;
       }
       _mm512_storeu_ps(S.data() + hq * Lp + u0, _mm512_mul_ps(transpose_sum16(a), scale));
@@ -147,14 +137,14 @@ void decode_range(const bf16_t* qrow, const bf16_t* kc, const bf16_t* vc, const 
       _mm256_storeu_si256((__m256i*)(pb + t), (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, s + t)));
     }
   }
-  prefetch_rows(vc, off, 0, L, 0, sh.tok_stride * 2, l1);
-  prefetch_rows(vc, off, 16, L, 0, sh.tok_stride * 2, l1);
+  prefetch_rows(vc, off, 0, L, 0, sh.tok_stride * int64_t(sizeof(C)), l1);
+  prefetch_rows(vc, off, 16, L, 0, sh.tok_stride * int64_t(sizeof(C)), l1);
   for (int64_t u0 = 0; u0 < L; u0 += 16) {
     const int pairs = int(std::min<int64_t>(16, L - u0) + 1) / 2;
     for (int j = 0; j < 2 * pairs; ++j) rows[j] = off[u0 + j] < 0 ? zero : vc + off[u0 + j];
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / G;
-      if (hq % G == 0) prefetch_rows(vc, off, u0 + 32, L, h * D, D * 2, l1);
+      if (hq % G == 0) prefetch_rows(vc, off, u0 + 32, L, h * D, D * int64_t(sizeof(C)), l1);
       const int32_t* pw = reinterpret_cast<const int32_t*>(P.data() + hq * Lp + u0);
       float* o = acc + hq * D;
       __m512 a[2 * DV];
@@ -173,10 +163,10 @@ void decode_range(const bf16_t* qrow, const bf16_t* kc, const bf16_t* vc, const 
   }
 }
 
-// orow[hq] = acc[hq] / l[hq], rounded to bf16, for every head.
+// orow[hq] = acc[hq] x v_scale / l[hq], rounded to bf16, for every head.
 inline void store_decode_row(bf16_t* orow, const float* acc, const float* l, const AttnShape& sh) {
   for (int64_t hq = 0; hq < sh.Hq; ++hq) {
-    const __m512 w = _mm512_set1_ps(1.f / l[hq]);
+    const __m512 w = _mm512_set1_ps(sh.v_scale / l[hq]);
     const float* o = acc + hq * sh.D;
     for (int64_t c = 0; c < sh.D / 32; ++c)
       store_interleaved(orow + hq * sh.D + 32 * c, _mm512_loadu_ps(o + 32 * c), _mm512_loadu_ps(o + 32 * c + 16), w);
@@ -184,8 +174,8 @@ inline void store_decode_row(bf16_t* orow, const float* acc, const float* l, con
 }
 
 // One query position, every head, over its context (from its sliding window's first key).
-template <int DV>
-void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+template <int DV, typename C>
+void decode_item(const bf16_t* q, const C* kc, const C* vc, bf16_t* out, const int32_t* table,
                  const AttnItem& it, const AttnShape& sh) {
   thread_local std::vector<float> acc, m, l;
   acc.resize(sh.Hq * sh.D);
@@ -197,8 +187,8 @@ void decode_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* ou
 }
 
 // One sequence's rows [r0, r1) for KV head h0. DV = D / 32.
-template <int DV>
-void prefill_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+template <int DV, typename C>
+void prefill_item(const bf16_t* q, const C* kc, const C* vc, bf16_t* out, const int32_t* table,
                   const AttnItem& it, const AttnShape& sh) {
   constexpr int64_t D = 32 * DV, D2 = D / 2;
   constexpr int MRK = 8;                                   // keys per score tile
@@ -207,16 +197,28 @@ void prefill_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* o
   thread_local std::vector<float> St;
   const int64_t G = sh.G, h = it.h0, nq = (it.r1 - it.r0) * G;
   const int64_t L = it.ctx0 + it.r1, L2 = (L + 1) / 2;
-  const bf16_t* zero = zero_row(sh.tok_stride);
+  const C* zero = zero_row<C>(sh.tok_stride);
   const int64_t* off = token_offsets(table, 0, L, 0, sh);
-  thread_local std::vector<const bf16_t*> vrow;
+  // K rows, read a pair of elements at a time: in place (bf16), or first widened into kb (fp8).
+  thread_local std::vector<bf16_t> kb;
+  const bf16_t* kzero = zero_row<bf16_t>(D);
+  if constexpr (!std::is_same_v<C, bf16_t>) {
+    kb.resize(L * D);
+    for (int64_t t = 0; t < L; ++t)
+      for (int c = 0; c < DV; ++c) _mm512_storeu_si512(&kb[t * D + 32 * c], load_row32(kc + off[t] + h * D + 32 * c));
+  }
+  auto key_row = [&](int64_t t) -> const bf16_t* {
+    if constexpr (std::is_same_v<C, bf16_t>) return kc + off[t] + h * D;
+    else return &kb[t * D];
+  };
+  thread_local std::vector<const C*> vrow;
   vrow.resize(2 * L2);
   for (int64_t t = 0; t < 2 * L2; ++t) vrow[t] = (t < L ? vc + off[t] : zero) + h * D;
   // V in pairs of keys: word (tp, 32c + 16 hi + 4l + i) = (v[2tp][d], v[2tp+1][d]), d = 32c + 8l + 4 hi + i.
   Vp.resize(L2 * D);
   for (int64_t tp = 0; tp < L2; ++tp) {
-    const bf16_t* a = vrow[2 * tp];
-    const bf16_t* b = vrow[2 * tp + 1];
+    const C* a = vrow[2 * tp];
+    const C* b = vrow[2 * tp + 1];
     for (int c = 0; c < DV; ++c) {
       __m512bh lo, hi;
       interleave(a + 32 * c, b + 32 * c, lo, hi);
@@ -246,7 +248,7 @@ void prefill_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* o
     for (int64_t t0 = 0; t0 < Lt; t0 += MRK) {
       const int mr = int(std::min<int64_t>(MRK, Lt - t0));
       const bf16_t* kr[MRK];
-      for (int j = 0; j < MRK; ++j) kr[j] = (j < mr ? kc + off[t0 + j] : zero) + h * D;
+      for (int j = 0; j < MRK; ++j) kr[j] = j < mr ? key_row(t0 + j) : kzero;
       __m512 acc[MRK];
       for (int j = 0; j < MRK; ++j) acc[j] = _mm512_setzero_ps();
       for (int64_t dd = 0; dd < D2; ++dd) {
@@ -299,15 +301,15 @@ void prefill_item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* o
       for (int r = 0; r < mo; ++r) {
         const int64_t i = i0 + r, row = it.r0 + (q0 + i) / G, g = (q0 + i) % G;
         bf16_t* dst = out + (it.first_token + row) * sh.o_stride + (h * G + g) * D;
-        const __m512 w = _mm512_set1_ps(inv[i]);
+        const __m512 w = _mm512_set1_ps(inv[i] * sh.v_scale);
         for (int c = 0; c < DV; ++c) store_interleaved(dst + 32 * c, acc[r][2 * c], acc[r][2 * c + 1], w);
       }
     }
   }
 }
 
-template <int DV>
-void item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+template <int DV, typename C>
+void item(const bf16_t* q, const C* kc, const C* vc, bf16_t* out, const int32_t* table,
           const AttnItem& it, const AttnShape& sh, const DecodeParts& split) {
   if (it.parts > 1) {
     float* p = split.scratch + it.slot * split.stride;
@@ -327,7 +329,7 @@ void item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, cons
       AttnItem one = it;
       one.h0 = h; one.h1 = h + 1;
       if (sh.amx) prefill_item_amx(q, kc, vc, out, table, one, sh);
-      else prefill_item<DV>(q, kc, vc, out, table, one, sh);
+      else prefill_item<DV, C>(q, kc, vc, out, table, one, sh);
     }
 }
 
@@ -335,7 +337,8 @@ void item(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, cons
 
 bool attention_bf16_takes(const AttnShape& sh) { return sh.D % 32 == 0 && sh.D <= 256; }
 
-void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_t* out, const int32_t* table,
+template <typename C>
+void attend_item_bf16(const bf16_t* q, const C* kc, const C* vc, bf16_t* out, const int32_t* table,
                       const AttnItem& it, const AttnShape& sh, const DecodeParts& split) {
   switch (sh.D / 32) {
     case 1: return abf::item<1>(q, kc, vc, out, table, it, sh, split);
@@ -348,14 +351,28 @@ void attend_item_bf16(const bf16_t* q, const bf16_t* kc, const bf16_t* vc, bf16_
     default: return abf::item<8>(q, kc, vc, out, table, it, sh, split);
   }
 }
+#define PS_INSTANTIATE(C)                                                                                    \
+  template void attend_item_bf16<C>(const bf16_t*, const C*, const C*, bf16_t*, const int32_t*, const AttnItem&, \
+                                    const AttnShape&, const DecodeParts&);
+PS_INSTANTIATE(bf16_t)
+PS_INSTANTIATE(fp8_e4m3_t)
+PS_INSTANTIATE(fp8_e5m2_t)
+#undef PS_INSTANTIATE
 
 }  // namespace ps
 #else
 namespace ps {
 bool attention_bf16_takes(const AttnShape&) { return false; }
-void attend_item_bf16(const bf16_t*, const bf16_t*, const bf16_t*, bf16_t*, const int32_t*, const AttnItem&,
-                      const AttnShape&, const DecodeParts&) {
+template <typename C>
+void attend_item_bf16(const bf16_t*, const C*, const C*, bf16_t*, const int32_t*, const AttnItem&, const AttnShape&,
+                      const DecodeParts&) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
+template void attend_item_bf16<bf16_t>(const bf16_t*, const bf16_t*, const bf16_t*, bf16_t*, const int32_t*,
+                                       const AttnItem&, const AttnShape&, const DecodeParts&);
+template void attend_item_bf16<fp8_e4m3_t>(const bf16_t*, const fp8_e4m3_t*, const fp8_e4m3_t*, bf16_t*,
+                                           const int32_t*, const AttnItem&, const AttnShape&, const DecodeParts&);
+template void attend_item_bf16<fp8_e5m2_t>(const bf16_t*, const fp8_e5m2_t*, const fp8_e5m2_t*, bf16_t*,
+                                           const int32_t*, const AttnItem&, const AttnShape&, const DecodeParts&);
 }  // namespace ps
 #endif

@@ -1,11 +1,12 @@
 #pragma once
-// AVX512-BF16 helpers shared by the bf16 attention kernels (attention_bf16.cpp, attention_amx.cpp): bf16 loads, a
-// 16-lane exp and the cache offsets of a run of tokens.
+// AVX512-BF16 helpers shared by the bf16 attention kernels (attention_bf16.cpp, attention_amx.cpp): bf16 loads, cache
+// rows read as bf16 (an fp8 cache's widened), a 16-lane exp, the cache offsets of a run of tokens and their prefetch.
 #include "attention.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define PS_AVX512_BF16 1
 #include <immintrin.h>
+#include <type_traits>
 namespace ps {
 namespace abf {
 
@@ -42,10 +43,55 @@ inline const int64_t* token_offsets(const int32_t* table, int64_t t0, int64_t t1
   return off.data();
 }
 
-inline const bf16_t* zero_row(int64_t n) {
-  thread_local std::vector<bf16_t> zero;
-  if (int64_t(zero.size()) < n) zero.assign(n, 0);
+// A row of n zeros of a cache's type (all-zero bytes: +0 in every format).
+template <typename C>
+inline const C* zero_row(int64_t n) {
+  thread_local std::vector<C> zero;
+  if (int64_t(zero.size()) < n) zero.assign(n, C{});
   return zero.data();
+}
+
+// The bf16 bits of fp8 codes 0-127 (the sign is bit 7 of the byte, bit 15 of the bf16): every e4m3 and e5m2 value,
+// subnormals included, is a bf16 normal. Codes that are NaN or inf in fp8 come out as the finite values their bits
+// would have with a normal exponent, as common.h's widen_fp8 gives them (quantization never writes them).
+template <int MANT, int BIAS>
+struct Fp8ToBf16 {
+  alignas(64) uint16_t bits[128];
+  Fp8ToBf16() {
+    for (int c = 0; c < 128; ++c) {
+      const int e = c >> MANT, m = c & ((1 << MANT) - 1);
+      const float f = e ? std::ldexp(1.f + float(m) / (1 << MANT), e - BIAS) : std::ldexp(float(m), 1 - BIAS - MANT);
+      uint32_t w; std::memcpy(&w, &f, sizeof w);
+      bits[c] = uint16_t(w >> 16);  // exact: at most 3 mantissa bits
+    }
+  }
+};
+
+// 32 elements of a cache row as bf16; fp8 through a 128-entry table (two 64-entry word permutes and a select).
+template <int MANT, int BIAS>
+inline __m512i widen_fp8_32(const uint8_t* p) {
+  static const Fp8ToBf16<MANT, BIAS> table;
+  const __m512i* t = reinterpret_cast<const __m512i*>(table.bits);
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+  const __m512i lo = _mm512_permutex2var_epi16(t[0], w, t[1]), hi = _mm512_permutex2var_epi16(t[2], w, t[3]);
+  const __m512i mag = _mm512_mask_mov_epi16(lo, _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), hi);
+  return _mm512_or_si512(mag, _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16(int16_t(0x8000))));
+}
+inline __m512i load_row32(const bf16_t* p) { return _mm512_loadu_si512(p); }
+inline __m512i load_row32(const fp8_e4m3_t* p) { return widen_fp8_32<3, 7>(&p->bits); }
+inline __m512i load_row32(const fp8_e5m2_t* p) { return widen_fp8_32<2, 15>(&p->bits); }
+
+// Prefetches `bytes` from `skip` elements into the rows of keys [t, min(t + 16, L)): into L1 where `to_l1`, else
+// into L2.
+template <typename C>
+inline void prefetch_rows(const C* cache, const int64_t* off, int64_t t, int64_t L, int64_t skip, int64_t bytes,
+                          bool to_l1) {
+  for (int64_t u = t; u < std::min(t + 16, L); ++u)
+    for (int64_t b = 0; b < bytes; b += 64) {
+      const char* p = (const char*)(cache + off[u] + skip) + b;
+      if (to_l1) _mm_prefetch(p, _MM_HINT_T0);
+      else _mm_prefetch(p, _MM_HINT_T1);
+    }
 }
 
 }  // namespace abf

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_attention, cpu_extension, cpu_ops, torch_ref
+from pagedserve.kernels import cpu_attention, cpu_extension, cpu_gemm_bf16, cpu_ops, torch_ref
 from pagedserve.tests.utils import paged_case
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -54,6 +54,31 @@ def test_kernel_widens_every_finite_fp8_code_exactly(cache_dtype):
     out = cpu_attention.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, 1.0, v_scale=0.25)
     assert torch.equal(out.view(-1), codes.float() * 0.25)
     assert (codes.float() != 0).sum() > 200 and codes.float().abs().min() == 0
+
+
+@pytest.mark.parametrize("use_amx", [pytest.param(False, id="avx512"), pytest.param(
+    True, id="amx", marks=pytest.mark.skipif(not cpu_gemm_bf16.amx(), reason="no AMX"))])
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+def test_bf16_kernels_widen_every_finite_fp8_code_exactly(cache_dtype, use_amx):
+    """bf16 queries over an fp8 cache take the bf16 kernels, which widen the cache rows to bf16: every finite code,
+    as V rows of 32 codes, comes out exactly (times v_scale) from a decode row and from a prefill's first row (each
+    the only key its row sees, so its weight is exactly 1)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype)
+    codes = torch.where(torch.isfinite(codes.float()), codes.float(), 0.0).to(cache_dtype)
+    d, n = 32, 8
+    v_cache = torch.zeros(2 * n, 1, 1, d, dtype=cache_dtype)
+    v_cache[::2, 0, 0] = codes.view(n, d)  # sequence i's first key: block 2i; its second: block 2i + 1 (zeros)
+    k_cache = torch.zeros_like(v_cache)
+    table = torch.arange(2 * n, dtype=torch.int32).view(n, 2)
+    q = torch.randn(2 * n, 1, d).bfloat16()
+    for q_lens in ([1] * n, [2] * n):  # decodes of one key; prefills of two rows
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        seq_lens = torch.tensor(q_lens, dtype=torch.int32)
+        out = cpu_attention.paged_attention(q[: sum(q_lens)], k_cache, v_cache, table, qsl, seq_lens, 1.0,
+                                            v_scale=0.25, use_amx=use_amx)
+        first_rows = out[qsl[:-1].long()].view(-1)
+        assert torch.equal(first_rows.float(), codes.float() * 0.25)
+    assert (codes.float() != 0).sum() > 200
 
 
 @pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
