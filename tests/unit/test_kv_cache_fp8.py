@@ -120,6 +120,34 @@ def test_cpu_reshape_and_cache_writes_the_reference_bytes(cache_dtype, dtype):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+def _rounding_edges(cache_dtype) -> torch.Tensor:
+    """Every non-negative finite fp8 value, each midpoint between neighbours (ties, to even) and the floats just
+    either side of it, values past the largest, fp32 subnormals, both zeros, the negatives of all; and a NaN."""
+    codes = torch.arange(128, dtype=torch.uint8).view(cache_dtype).float()
+    values = codes[torch.isfinite(codes)].unique()
+    mids = (values[:-1] + values[1:]) / 2
+    near = torch.cat([mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(float("inf")))])
+    big = torch.tensor([values[-1] * 1.0625, values[-1] * 3, 1e30, 1e-40, 1e-45, 0.0])
+    x = torch.cat([values, near, big])
+    x = torch.cat([x, -x, torch.tensor([float("nan")])])
+    return torch.cat([x, torch.zeros(-len(x) % 64)])  # whole rows of 64
+
+
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_reshape_and_cache_rounds_every_edge_as_torch(cache_dtype, dtype):
+    """The vector conversion against torch's at every rounding edge of the format (fp32 ties round to even; bf16
+    inputs are those values rounded to bf16), subnormals, saturation and a NaN (the group holding it goes through
+    torch's scalar conversion)."""
+    x = _rounding_edges(cache_dtype).to(dtype).view(-1, 1, 64)
+    slots = torch.arange(x.shape[0])
+    caches = [torch.zeros(x.shape[0], 1, 1, 64, dtype=cache_dtype) for _ in range(4)]
+    cpu_ops.reshape_and_cache(x, x, caches[0], caches[1], slots, 1.0, 0.5)
+    torch_ref.reshape_and_cache(x, x, caches[2], caches[3], slots, 1.0, 0.5)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_block_copies_and_swaps_move_fp8_bytes():
     g = torch.Generator().manual_seed(8)
     caches = [torch.randn(6, 16, 2, 8, generator=g).to(E4M3) for _ in range(2)]
