@@ -118,6 +118,21 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     return out
 
 
+def gather_rows_supported(src: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether :func:`gather_rows` takes these: a contiguous CPU ``src [V, H]``, CPU int64 ids of any shape; the
+    extension built."""
+    return (ids.device.type == "cpu" and src.device.type == "cpu" and ids.dtype == torch.long
+            and src.dim() == 2 and src.is_contiguous() and cpu_extension.available())
+
+
+def gather_rows(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``src[ids]`` (``F.embedding(ids, src)``) on the kernels' threads, where :func:`gather_rows_supported`;
+    IndexError for an id out of range."""
+    out = torch.empty(ids.numel(), src.shape[1], dtype=src.dtype)
+    cpu_extension.load().gather_rows(ids.reshape(-1), src, out)
+    return out.view(*ids.shape, src.shape[1])
+
+
 def argmax_supported(x: torch.Tensor) -> bool:
     """Whether :func:`argmax` takes ``x``: CPU fp32 rows ``[B, V]`` with unit stride along V, 0 < V < 2^31; the
     extension built. Any V in that range."""

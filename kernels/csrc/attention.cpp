@@ -3,11 +3,12 @@
 //
 // The torch reference gathers each sequence's blocks into a contiguous copy and runs one SDPA per prefill chunk
 // from Python; this kernel reads K and V rows in place through the block table and takes the whole packed batch at
-// once (an fp8 cache is widened to fp32 as it is read). Work items are a decode row (all heads; a row of more than 512 keys in near-equal parts, merged by the
-// thread that finishes its last part) or a tile of up to 32 prefill rows for one KV head (its GQA group scored
-// against each K row while it is in cache); torch's threads take the items costliest first (rows x keys), each the
-// next one as it finishes. Queries, scores, softmax and the output accumulator are fp32 whatever the
-// storage dtype (bf16 is widened on load, the output rounded to nearest even once).
+// once (an fp8 cache is widened to fp32 as it is read). Work items are a decode row (all heads; a row of more than
+// 512 keys in near-equal parts, merged by the thread that finishes its last part) or a tile of up to 32 prefill
+// rows for one KV head (its GQA group scored against each K row while it is in cache); the pool's threads (pool.h)
+// take the items costliest first (rows x keys), each the next one as it finishes. Queries, scores, softmax and the
+// output accumulator are fp32 whatever the storage dtype (bf16 is widened on load, the output rounded to nearest
+// even once).
 
 #include "attention.h"
 
@@ -260,10 +261,10 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   std::vector<int32_t> order(items.size());
   for (size_t i = 0; i < items.size(); ++i) order[i] = int32_t(i);
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return items[a].cost > items[b].cost; });
-  const int64_t n = int64_t(items.size()), parts = std::min<int64_t>(at::get_num_threads(), n);
+  const int64_t n = int64_t(items.size()), parts = std::min<int64_t>(kernel_threads(), n);
   std::atomic<int64_t> next{0};
   auto run = [&](auto* q, auto* kc, auto* vc, auto* o) {
-    at::parallel_for(0, parts, 1, [&](int64_t, int64_t) {
+    run_parallel(parts, [&] {
       for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
         const AttnItem& it = items[order[k]];
         const bool bf16_item = bf16_kernel && (sh.window == 0 || (it.r0 == 0 && it.r1 == 1 && it.h1 - it.h0 == sh.Hkv));

@@ -52,7 +52,8 @@ void keys_transposed(const C* kc, const int64_t* off, int64_t L, int64_t Lp, int
     for (int64_t c = 0; c < sh.D / 32; ++c) {
       __m512i r[16];
       if (c == 0) abf::prefetch_rows(kc, off, t0 + 16, L, h * sh.D, sh.D * int64_t(sizeof(C)), true);
-      for (int j = 0; j < 16; ++j) r[j] = abf::load_row32((off[t0 + j] < 0 ? zero : kc + off[t0 + j] + h * sh.D) + 32 * c);
+      for (int j = 0; j < 16; ++j)
+        r[j] = abf::load_row32((off[t0 + j] < 0 ? zero : kc + off[t0 + j] + h * sh.D) + 32 * c);
       transpose16(r);
       for (int j = 0; j < 16; ++j) _mm512_storeu_si512(kt + (16 * c + j) * Lp + t0, r[j]);
     }

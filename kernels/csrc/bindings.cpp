@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &ps::reshape_and_cache);
   m.def("apply_token_bitmask", &ps::apply_token_bitmask);
   m.def("argmax_rows", &ps::argmax_rows);
+  m.def("gather_rows", &ps::gather_rows);
   m.def("gemm_packed", &ps::gemm_packed);
   m.def("gemm_bf16", &ps::gemm_bf16, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
         pybind11::arg("out"), pybind11::arg("use_amx") = true);

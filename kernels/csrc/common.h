@@ -1,12 +1,13 @@
 #pragma once
 // Helpers shared by the CPU kernels: 8- and 16-wide fp32 vectors, bf16 loads and stores, a vectorizable exp, and
-// a work queue over torch's threads. Written with GCC/Clang vector extensions rather than intrinsics, so one source
-// builds for whatever -march=native offers (AVX2, AVX-512 or NEON). Storage types are float and
-// bf16_t (the bits of a bfloat16); arithmetic is always fp32.
+// a work queue over the kernels' threads (pool.h). Written with GCC/Clang vector extensions rather than
+// intrinsics, so one source builds for whatever -march=native offers (AVX2, AVX-512 or NEON). Storage types are
+// float and bf16_t (the bits of a bfloat16); arithmetic is always fp32.
 
 // The tensor API only: each file parses it (torch/extension.h took twice as long; bindings.cpp adds pybind11).
 #include <torch/types.h>
 #include <ATen/Parallel.h>
+#include "pool.h"
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -133,8 +134,8 @@ template <typename T> inline const T* ptr(const torch::Tensor& t) {
 }
 template <typename T> inline T* mut_ptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
-// Guided self-scheduling of [0, n) over torch's threads: claim() hands out the next chunk [first, second), a
-// 1 / (2 x threads) share of what is left but at least one, and first == n once all is given out. A thread
+// Guided self-scheduling of [0, n) over a region's threads (pool.h): claim() hands out the next chunk [first,
+// second), a 1 / (2 x threads) share of what is left but at least one, and first == n once all is given out. A thread
 // that starts late (the other vCPU waking from its spin) or runs slower (host load on its core) takes less, where
 // fixed halves made one wait for the other.
 class ChunkQueue {

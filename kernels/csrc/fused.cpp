@@ -24,7 +24,7 @@ inline int64_t grain(int64_t work_per_row) { return std::max<int64_t>(1, 16384 /
 template <typename T>
 void rms_rows(T* x, T* residual, const T* w, T* out, int64_t rows, int64_t H, int64_t xs, int64_t rs, int64_t os,
               float eps) {
-  at::parallel_for(0, rows, grain(H), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain(H), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * xs;
       T* rr = residual != nullptr ? residual + r * rs : xr;
@@ -113,7 +113,7 @@ void silu_and_mul(torch::Tensor x, torch::Tensor out) {
   PS_DISPATCH(x.scalar_type(), [&] {
     const scalar* in = ptr<scalar>(x);
     scalar* o = mut_ptr<scalar>(out);
-    at::parallel_for(0, rows, grain(I), [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, grain(I), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         int64_t d = 0;
         for (; d + 16 <= I; d += 16) {
@@ -140,7 +140,7 @@ template <typename T>
 void rope_rows(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t head_stride, int64_t rot,
                const int64_t* pos, const float* cos, const float* sin) {
   const int64_t half = rot / 2;
-  at::parallel_for(0, rows, grain(heads * rot), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain(heads * rot), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* c = cos + pos[r] * half;
       const float* s = sin + pos[r] * half;
@@ -250,7 +250,7 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_c
     PS_DISPATCH(key.scalar_type(), [&] {
       auto quantize = cache_type == torch::kFloat8_e4m3fn ? quantize_row<c10::Float8_e4m3fn, scalar>
                                                           : quantize_row<c10::Float8_e5m2, scalar>;
-      at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
           if (slots[t] < 0) continue;
           quantize(reinterpret_cast<const scalar*>(kp + t * ks), reinterpret_cast<uint8_t*>(kc + slots[t] * bytes),
@@ -263,7 +263,7 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_c
     return;
   }
   // On both threads: each row lands on cache lines not yet in cache.
-  at::parallel_for(0, T, 32, [&](int64_t t0, int64_t t1) {
+  parallel_for(0, T, 32, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       if (slots[t] < 0) continue;
       std::memcpy(kc + slots[t] * bytes, kp + t * ks, bytes);
@@ -286,7 +286,7 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor
   const uint32_t* mp = reinterpret_cast<const uint32_t*>(mask_c.data_ptr<int32_t>());
   float* lp = logits.data_ptr<float>();
   const int64_t ls = logits.stride(0);
-  at::parallel_for(0, R, grain(V), [=](int64_t begin, int64_t end) {
+  parallel_for(0, R, grain(V), [=](int64_t begin, int64_t end) {
     // By value: a store through the row may not alias what the loop reads, or the select stays scalar.
     constexpr float ninf = -std::numeric_limits<float>::infinity();
     for (int64_t i = begin; i < end; ++i) {
@@ -307,6 +307,25 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor
   });
 }
 
+// out[t] = weight[ids[t]] for every t (rows copied as bytes; any dtype): the embedding's lookup, and the rows of the
+// hidden states the LM head reads. An id outside [0, V) raises before anything is copied, as F.embedding does. On
+// the pool: torch's embedding and indexing are OpenMP regions (pool.cpp says what those cost).
+void gather_rows(torch::Tensor ids, torch::Tensor weight, torch::Tensor out) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && weight.dim() == 2 && weight.is_contiguous());
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == ids.size(0) && out.size(1) == weight.size(1) &&
+              out.scalar_type() == weight.scalar_type());
+  auto ids_c = ids.contiguous();
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  const int64_t T = ids.size(0), V = weight.size(0), bytes = weight.size(1) * weight.element_size();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_INDEX(id[t] >= 0 && id[t] < V, "index ", id[t], " is out of range for ", V, " rows");
+  const char* w = static_cast<const char*>(weight.data_ptr());
+  char* o = static_cast<char*>(out.data_ptr());
+  parallel_for(0, T, grain(weight.size(1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) std::memcpy(o + t * bytes, w + id[t] * bytes, bytes);
+  });
+}
+
 // Greedy sampling: each row's index of its largest value, the first on ties, or of its first NaN (as torch.argmax).
 // Each of 16 lanes keeps its maximum and where it first saw it, so the row is read once (a second, scalar pass to
 // find the maximum's index cost as much as the first).
@@ -317,7 +336,7 @@ void argmax_rows(torch::Tensor x, torch::Tensor out) {
   const int64_t V = x.size(1), xs = x.stride(0);
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, x.size(0), grain(V), [=](int64_t begin, int64_t end) {
+  parallel_for(0, x.size(0), grain(V), [=](int64_t begin, int64_t end) {
     i32x16 lane;
     for (int i = 0; i < 16; ++i) lane[i] = i;
     for (int64_t r = begin; r < end; ++r) {

@@ -1,6 +1,6 @@
 #pragma once
 // Fused element-wise kernels: RMSNorm (with the residual add), SiLU-and-mul, rotary, KV-cache writes, the
-// token bitmask on logits, greedy argmax.
+// token bitmask on logits, greedy argmax, a row gather (embeddings, the LM head's rows).
 #include "common.h"
 
 namespace ps {
@@ -15,5 +15,6 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_c
                        torch::Tensor slot_mapping, double k_scale = 1.0, double v_scale = 1.0);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
 void argmax_rows(torch::Tensor x, torch::Tensor out);
+void gather_rows(torch::Tensor ids, torch::Tensor weight, torch::Tensor out);
 
 }  // namespace ps

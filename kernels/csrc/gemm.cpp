@@ -72,7 +72,7 @@ void gemm_packed(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torc
   const int64_t ldx = x.stride(0);
   for (int64_t m0 = 0; m0 < M; m0 += kMC) {
     const int64_t m1 = std::min(M, m0 + kMC);
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         const int64_t n0 = j * kNR, ncols = std::min(kNR, N - n0);
         for (int64_t k0 = 0; k0 < K; k0 += kKC) {

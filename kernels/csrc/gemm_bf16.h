@@ -17,16 +17,16 @@ bool gemm_bf16_built();
 // Whether gemm_bf16 runs on AMX tiles (built with them, and the kernel granted this process the tile state).
 bool gemm_bf16_amx();
 
-// Runs unit(m0, m1, j, next) over every (block of rows [m0, m1), panel j) of a GEMM on torch's threads: blocks of
+// Runs unit(m0, m1, j, next) over every (block of rows [m0, m1), panel j) of a GEMM on the pool's threads: blocks of
 // rows first (a block's activations stay in L2 while its panels run), near-equal blocks of whole `granule`s of rows
 // (so that units cost alike for the chunking), at most `block` rows each. next: the panel this thread runs next
 // (to prefetch while j runs), or -1. begin() and end() run once on each thread that works.
 template <typename Unit, typename Begin, typename End>
 void run_units(int64_t M, int64_t P, int64_t granule, int64_t block, Unit unit, Begin begin, End end) {
   const int64_t blocks = (M + block - 1) / block, mb = ((M + blocks - 1) / blocks + granule - 1) / granule * granule;
-  const int64_t units = (M + mb - 1) / mb * P, threads = std::min<int64_t>(at::get_num_threads(), units);
+  const int64_t units = (M + mb - 1) / mb * P, threads = std::min<int64_t>(kernel_threads(), units);
   ChunkQueue queue(units, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  run_parallel(threads, [&] {
     begin();
     for (auto cur = queue.claim(); cur.first < units;) {
       // The next chunk is claimed now, so that its first panel can stream in while this chunk's last one runs.

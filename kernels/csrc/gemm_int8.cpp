@@ -328,7 +328,7 @@ void gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch
   // bf16 rows widened once to fp32 (exact) for the FMA tiles.
   std::vector<float> xf(M * K);
   const int64_t ldx = x.stride(0);
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+  parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m)
       for (int64_t k = 0; k < K; ++k) xf[m * K + k] = load1(xb + m * ldx + k);
   });

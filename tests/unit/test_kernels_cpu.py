@@ -315,3 +315,13 @@ def test_argmax_matches_torch(v):
     x[6, 0] = x[6, -1] = 1e30  # tied maxima at both ends
     assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=1))
     assert cpu_fused.argmax(torch.empty(0, v)).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_matches_f_embedding(dtype):
+    w = torch.randn(1000, 72).to(dtype)
+    ids = torch.randint(0, 1000, (3, 130))
+    assert cpu_fused.gather_rows_supported(w, ids)
+    assert torch.equal(cpu_fused.gather_rows(w, ids), F.embedding(ids, w))
+    with pytest.raises(IndexError, match="out of range"):
+        cpu_fused.gather_rows(w, torch.tensor([5, 1000]))

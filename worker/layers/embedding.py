@@ -5,9 +5,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels import cpu_fused
 from pagedserve.worker.cpu import linear
 from pagedserve.worker.models.weights import as_lazy
 from pagedserve.worker.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+
+
+def _embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # On CPU the kernels' own gather: torch's is an OpenMP region, which waits for a core another process holds.
+    if cpu_fused.gather_rows_supported(weight, ids):
+        return cpu_fused.gather_rows(weight, ids)
+    return F.embedding(ids, weight)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -32,9 +40,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return _embedding(input_ids, self.weight)
         mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        out = F.embedding((input_ids - self.vocab_start) * mask, self.weight)
+        out = _embedding((input_ids - self.vocab_start) * mask, self.weight)
         return all_reduce(out * mask.unsqueeze(-1).to(out.dtype))
 
 
