@@ -80,8 +80,8 @@ void values_paired(const C* vc, const int64_t* off, int64_t L, int64_t Lp, int64
   }
 }
 
-// c[16][ldc] (fp32, columns [0, 16 * nb)) = a[16][32 * steps] x the B tiles at b + 16j words, each b_rows rows of 64
-// bytes, `ldb` bytes apart, step s's rows at b + s * b_step words; a's rows `lda` bytes apart. nb: 2 or 4.
+// c[16][ldc] (fp32, columns [0, 16 * nb)) = a[16][32 * steps] x B, where step s's B tile j (16 rows of 16 words,
+// `ldb` bytes apart) starts at b + s * b_step + 16j words; a's rows are `lda` bytes apart. nb: 2 or 4.
 inline void tile_product(const bf16_t* a, int64_t lda, const int32_t* b, int64_t ldb, int64_t b_step, int64_t steps,
                          int nb, float* c, int64_t ldc) {
   _tile_zero(0); _tile_zero(1);
