@@ -25,22 +25,54 @@ def _descendants(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
-@pytest.mark.parametrize("target, sig", [("process", signal.SIGTERM), ("group", signal.SIGTERM),
-                                         ("group", signal.SIGINT)])
-def test_signal_drains_and_leaves_nothing(llama_dir, target, sig):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray, as a plain `serve` has
-    # Its own session and process group, as a terminal or a supervisor gives a service; the test is not in it.
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--model", llama_dir, "--host", "127.0.0.1",
-                             "--grpc-port", str(port), "--port", str(free_port()), "--metrics-port", "0",
-                             "--drain-timeout", str(DRAIN_TIMEOUT)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+CASES = [("process", signal.SIGTERM), ("group", signal.SIGTERM), ("group", signal.SIGINT)]
+
+
+class Served:
+    """A `serve` process, its gRPC port, and its stderr as read so far (read on a thread: the pipe never fills)."""
+
+    def __init__(self, llama_dir: str) -> None:
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray, as a plain `serve` has
+        # Its own session and process group, as a terminal or a supervisor gives a service; the test is not in it.
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--model", llama_dir, "--host",
+                                      "127.0.0.1", "--grpc-port", str(self.port), "--port", str(free_port()),
+                                      "--metrics-port", "0", "--drain-timeout", str(DRAIN_TIMEOUT)],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.log: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True)
+        self._reader.start()
+
+    def stderr_tail(self) -> str:
+        return "".join(self.log)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def served(llama_dir):
+    """One `serve` process per case, all started together with the module (starting is mostly imports and Ray's
+    own start-up); each test signals its own. One a test did not reach (`-k`) is stopped with its group at the end."""
+    procs = {case: Served(llama_dir) for case in CASES}
+    yield procs
+    for s in procs.values():
+        if s.proc.poll() is None:
+            os.killpg(s.proc.pid, signal.SIGTERM)
+            try:
+                s.proc.wait(DRAIN_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                os.killpg(s.proc.pid, signal.SIGKILL)
+                s.proc.wait(10)
+
+
+@pytest.mark.parametrize("target, sig", CASES)
+def test_signal_drains_and_leaves_nothing(served, target, sig):
+    server = served[(target, sig)]
+    proc, port = server.proc, server.port
     target_addr = f"127.0.0.1:{port}"
     descendants: list[psutil.Process] = []
     try:
         with Client(target_addr, timeout=5) as c:
-            c.wait_for_health("SERVING", 180, check=lambda: _alive(proc))
+            c.wait_for_health("SERVING", 180, check=lambda: _alive(server))
             descendants = _descendants(proc.pid)
             assert any("ray" in " ".join(p.cmdline()) for p in descendants), "no private Ray under the server"
             engines = [p for p in descendants if "EngineCoreActor" in p.name() + " ".join(p.cmdline())]
@@ -54,13 +86,13 @@ def test_signal_drains_and_leaves_nothing(llama_dir, target, sig):
                 os.killpg(proc.pid, sig)
             else:
                 proc.send_signal(sig)
-            c.wait_for_health("NOT_SERVING", 10, check=lambda: _alive(proc))
+            c.wait_for_health("NOT_SERVING", 10, check=lambda: _alive(server))
             with pytest.raises(grpc.RpcError) as err:
                 c.generate("def", max_tokens=2)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             rest.join(DRAIN_TIMEOUT)
         assert sum(tokens) == 150  # the running stream finished during the drain
-        assert proc.wait(DRAIN_TIMEOUT) == 0, proc.stderr.read()[-3000:]
+        assert proc.wait(DRAIN_TIMEOUT) == 0, server.stderr_tail()
         assert time.monotonic() - sent < DRAIN_TIMEOUT
         _, alive = psutil.wait_procs(descendants, timeout=15)
         assert not alive, [(p.pid, p.name()) for p in alive]
@@ -72,5 +104,5 @@ def test_signal_drains_and_leaves_nothing(llama_dir, target, sig):
                 p.kill()
 
 
-def _alive(proc: subprocess.Popen) -> None:
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
+def _alive(server: Served) -> None:
+    assert server.proc.poll() is None, server.stderr_tail()
