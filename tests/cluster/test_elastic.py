@@ -198,7 +198,45 @@ async def _burst_then_idle(srv: ServerThread) -> None:
         assert await desired() == 1.0
 
 
-def test_rollout_to_new_weights_under_load(ray_cluster, model_dir, tokenizer_dir, tmp_path):
+@pytest.fixture(scope="module")
+def rollout_server(ray_cluster, model_dir):
+    """Two replicas of ``model_dir`` for the rollout tests, in this order: the rollout that fails (it must leave the
+    replicas as they were, which its test checks), then the one to new weights. When the module ends the server
+    stops and releases every placement group it held."""
+    pgs_before = _created_pgs(ray_cluster)
+    srv = ServerThread(EngineArgs(model=model_dir, seed=0), data_parallel_size=2, http_port=free_port()).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+    assert _created_pgs(ray_cluster) <= pgs_before
+
+
+def test_a_rollout_whose_replica_cannot_start_leaves_the_old_ones_serving(rollout_server, ray_cluster, model_dir,
+                                                                         tmp_path):
+    """New weights that do not load (a truncated safetensors file): the rollout stops with a 503 naming the error,
+    both old replicas still serve the old weights, and nothing of the failed replica is left."""
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = LLM(model_dir, seed=0).generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)[0]
+    srv = rollout_server
+    pgs_serving = _created_pgs(ray_cluster)
+    with httpx2.Client(base_url=srv.http_url, timeout=300) as http:
+        r = http.post("/rollout", json={"model": str(broken)})
+        assert r.status_code == 503, r.text
+        assert "still serve" in r.json()["error"]["message"]
+    with srv.client() as c:
+        assert c.model_info().data_parallel_size == 2
+        for _ in range(4):  # both replicas, by least-loaded or prefix routing alike
+            out = c.generate(PROMPTS[0], max_tokens=8, temperature=0.0, ignore_eos=True)
+            assert list(out.completions[0].token_ids) == want.outputs[0].token_ids
+    assert _created_pgs(ray_cluster) <= pgs_serving  # the failed replica's placement group was released
+
+
+def test_rollout_to_new_weights_under_load(rollout_server, model_dir, tokenizer_dir, tmp_path):
     """Two replicas rolled over to a model dir of the same architecture with other weights while streams run: no
     stream fails, each has exactly the greedy tokens of one of the two models (a replaced replica's requests finish
     within its drain), every request after the rollout answers from the new weights, and the name stays."""
@@ -207,13 +245,7 @@ def test_rollout_to_new_weights_under_load(ray_cluster, model_dir, tokenizer_dir
     before, after = ([o.outputs[0].token_ids for o in LLM(d, seed=0).generate(
         [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)] for d in (model_dir, new_dir))
     assert before != after
-    pgs_before = _created_pgs(ray_cluster)
-    srv = ServerThread(EngineArgs(model=model_dir, seed=0), data_parallel_size=2, http_port=free_port()).start()
-    try:
-        asyncio.run(_rollout_under_load(srv, new_dir, before, after))
-    finally:
-        srv.stop()
-    assert _created_pgs(ray_cluster) <= pgs_before
+    asyncio.run(_rollout_under_load(rollout_server, new_dir, before, after))
 
 
 async def _rollout_under_load(srv: ServerThread, new_dir: str, before: list[list[int]],
@@ -247,29 +279,3 @@ async def _rollout_under_load(srv: ServerThread, new_dir: str, before: list[list
         assert info.model_name == name and info.data_parallel_size == 2
         now = await asyncio.gather(*[one(i) for i in range(len(PROMPTS))])
         assert [toks for _, toks in now] == after
-
-
-def test_a_rollout_whose_replica_cannot_start_leaves_the_old_ones_serving(ray_cluster, model_dir, tmp_path):
-    """New weights that do not load (a truncated safetensors file): the rollout stops with a 503 naming the error,
-    both old replicas still serve the old weights, and nothing of the failed replica is left."""
-    broken = tmp_path / "broken"
-    shutil.copytree(model_dir, broken)
-    weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    want = LLM(model_dir, seed=0).generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)[0]
-    pgs_before = _created_pgs(ray_cluster)
-    srv = ServerThread(EngineArgs(model=model_dir, seed=0), data_parallel_size=2, http_port=free_port()).start()
-    try:
-        with httpx2.Client(base_url=srv.http_url, timeout=300) as http:
-            r = http.post("/rollout", json={"model": str(broken)})
-            assert r.status_code == 503, r.text
-            assert "still serve" in r.json()["error"]["message"]
-        with srv.client() as c:
-            assert c.model_info().data_parallel_size == 2
-            for _ in range(4):  # both replicas, by least-loaded or prefix routing alike
-                out = c.generate(PROMPTS[0], max_tokens=8, temperature=0.0, ignore_eos=True)
-                assert list(out.completions[0].token_ids) == want.outputs[0].token_ids
-    finally:
-        srv.stop()
-    assert _created_pgs(ray_cluster) <= pgs_before
