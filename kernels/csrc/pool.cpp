@@ -132,12 +132,10 @@ struct Pool {
     in_region = false;
     const int64_t joined = int64_t(state.fetch_or(kClosed, std::memory_order_acq_rel) & (kClosed - 1));
     while (finished.load(std::memory_order_acquire) < joined) PS_PAUSE();
+    std::exception_ptr theirs;
+    std::swap(theirs, error);  // cleared for the next region, whichever is rethrown
     if (own) std::rethrow_exception(own);
-    if (error) {
-      std::exception_ptr e;
-      std::swap(e, error);
-      std::rethrow_exception(e);
-    }
+    if (theirs) std::rethrow_exception(theirs);
   }
 };
 
