@@ -9,13 +9,14 @@ import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.kernels import cpu_fused, get_backend, kv_cache_dtype
+from pagedserve.kernels import get_backend, kv_cache_dtype
 from pagedserve.outputs import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.cpu import prepare_model, zeros_huge_pages
 from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
 from pagedserve.worker.layers.attention import Attention
+from pagedserve.worker.layers.embedding import take_rows
 from pagedserve.worker.models.loader import load_model
 from pagedserve.worker.sampler import SamplingMetadata, sample
 
@@ -256,7 +257,7 @@ class ModelRunner:
         if inp.prompt_chunks:
             out.prompt_logprobs = self._prompt_logprobs(hidden, inp)
         if inp.logits_seqs:
-            logits = self.model.compute_logits(_rows(hidden, inp.logits_indices))
+            logits = self.model.compute_logits(take_rows(hidden, inp.logits_indices))
         self._sync()
         t2 = time.perf_counter()
         out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
@@ -320,13 +321,6 @@ class ModelRunner:
                 TokenLogprobs(t, lp, r, top_ids[j].tolist() if k else [], top_lp[j].tolist() if k else [])
                 for j, (t, lp, r) in enumerate(zip(targets.tolist(), chosen.squeeze(1).tolist(), ranks))]
         return result
-
-
-def _rows(hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """hidden[indices]: on CPU by the kernels' gather (torch's indexing is an OpenMP region; see csrc/pool.cpp)."""
-    if cpu_fused.gather_rows_supported(hidden, indices):
-        return cpu_fused.gather_rows(hidden, indices)
-    return hidden[indices]
 
 
 def _pad(lists: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -11,11 +11,12 @@ from pagedserve.worker.models.weights import as_lazy
 from pagedserve.worker.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 
 
-def _embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # On CPU the kernels' own gather: torch's is an OpenMP region, which waits for a core another process holds.
-    if cpu_fused.gather_rows_supported(weight, ids):
-        return cpu_fused.gather_rows(weight, ids)
-    return F.embedding(ids, weight)
+def take_rows(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """src[ids] (an embedding lookup, the LM head's rows): on CPU by the kernels' own gather, since torch's is an
+    OpenMP region, which waits for a core another process holds (csrc/pool.cpp)."""
+    if cpu_fused.gather_rows_supported(src, ids):
+        return cpu_fused.gather_rows(src, ids)
+    return F.embedding(ids, src)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,9 +41,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return _embedding(input_ids, self.weight)
+            return take_rows(self.weight, input_ids)
         mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        out = _embedding((input_ids - self.vocab_start) * mask, self.weight)
+        out = take_rows(self.weight, (input_ids - self.vocab_start) * mask)
         return all_reduce(out * mask.unsqueeze(-1).to(out.dtype))
 
 
