@@ -38,8 +38,7 @@ void rms_rows(T* x, T* residual, const T* w, T* out, int64_t rows, int64_t H, in
         }
         ss += v * v;
       }
-      float sum = 0.f;
-      for (int i = 0; i < 16; ++i) sum += ss[i];
+      float sum = hsum16(ss);
       if (d + 8 <= H) {
         f32x8 v = load8(xr + d);
         if (residual != nullptr) {
