@@ -94,8 +94,10 @@ def ray_cluster():
     import ray
 
     # Logical CPUs: the gateway tests' replicas and the TP tests' ranks must not wait on each other.
-    # address="local": never a cluster some other process left running.
-    ray.init(address="local", num_cpus=8, log_to_driver=False, runtime_env={"env_vars": {"TRITON_INTERPRET": "0"}})
+    # address="local": never a cluster some other process left running. No dashboard: no test uses it, and its
+    # processes take CPU from the tests on a small host (as `serve`'s private Ray leaves it out).
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TRITON_INTERPRET": "0"}})
     yield ray
     ray.shutdown()
 

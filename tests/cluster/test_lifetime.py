@@ -15,7 +15,7 @@ import ray
 from pagedserve import LLM, SamplingParams
 
 model = sys.argv[1]
-ray.init(num_cpus=2, log_to_driver=False)
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 params = SamplingParams(temperature=0, max_tokens=4)
 report = {}
 llm = LLM(model, tensor_parallel_size=2)

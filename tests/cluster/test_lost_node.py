@@ -37,7 +37,7 @@ def main(model_dir: str, new_dir: str) -> None:
     expected = [o.outputs[0].token_ids for o in LLM(model_dir, seed=0).generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)

@@ -20,7 +20,7 @@ def main(model_dir: str) -> None:
     from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.tests.server_thread import ServerThread
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
     cluster.add_node(num_cpus=3)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
@@ -90,7 +90,7 @@ def policies(model_dir: str) -> None:
     from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.tests.server_thread import ServerThread, free_port
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
