@@ -1,5 +1,5 @@
 """Fused element-wise CPU kernels in C++: RMSNorm (with the residual add), SiLU-and-mul, rotary, KV-cache writes,
-structured output's token bitmask on the logits, and greedy sampling's argmax.
+structured output's token bitmask on the logits, greedy sampling's argmax and random sampling.
 
 Each kernel has a predicate, ``<kernel>_supported``, that holds exactly where the C++ takes its arguments (its
 ``TORCH_CHECK`` preconditions); callers take their torch path where it does not. No size needs to be a multiple of
@@ -131,6 +131,26 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty(ids.numel(), src.shape[1], dtype=src.dtype)
     cpu_extension.load().gather_rows(ids.reshape(-1), src, out)
     return out.view(*ids.shape, src.shape[1])
+
+
+def sample_supported(logits: torch.Tensor) -> bool:
+    """Whether :func:`sample` takes ``logits``: CPU fp32 rows ``[B, V]`` with unit stride along V, 0 < V < 2^31; the
+    extension built."""
+    return argmax_supported(logits)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+           min_p: torch.Tensor | None, uniform: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """One token per row: drawn with ``uniform`` (fp64 in (0, 1)) from softmax(logits / temperature) after min-p,
+    top-k and top-p (each None where no row uses it), or ``greedy``'s where the temperature is 0. Where
+    :func:`sample_supported`; the torch path in ``worker/sampler.py`` is its definition."""
+    none = torch.empty(0)
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    cpu_extension.load().sample_rows(
+        logits, temperature.float().contiguous(), none if top_k is None else top_k.long().contiguous(),
+        none if top_p is None else top_p.float().contiguous(), none if min_p is None else min_p.float().contiguous(),
+        uniform.double().contiguous(), greedy.long().contiguous(), out)
+    return out
 
 
 def argmax_supported(x: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""Torch reference ops: the paged KV cache, and the weight-only int8 linear.
+"""Torch reference ops: the paged KV cache, random sampling, and the weight-only int8 linear.
 
 These define the semantics every other backend (Triton) must reproduce exactly.
 
@@ -215,6 +215,44 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     out = logits.clone()
     out[rows] = torch.where(allowed, logits[rows], float("-inf"))
     return out
+
+
+def _filter(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+            min_p: torch.Tensor | None) -> torch.Tensor:
+    """Zero out tokens outside min-p, top-k and top-p (each row with its own settings)."""
+    if min_p is not None:
+        probs = probs * (probs >= min_p.unsqueeze(1) * probs.max(dim=1, keepdim=True).values)
+    if top_k is None and top_p is None:
+        return probs
+    # Ties in p by token id (what the C++ kernel does; a plain sort leaves them in any order).
+    order = torch.sort(probs, dim=1, descending=True, stable=True).indices
+    sorted_p = probs.gather(1, order)
+    drop = torch.zeros_like(sorted_p, dtype=torch.bool)
+    if top_k is not None:
+        drop |= torch.arange(probs.shape[1], device=probs.device)[None, :] >= top_k[:, None]
+    if top_p is not None:
+        # Mass strictly before each token; keep tokens until it reaches top_p of the (kept) total.
+        kept = sorted_p.masked_fill(drop, 0.0)
+        before = kept.cumsum(dim=1) - kept
+        drop |= before >= top_p[:, None] * kept.sum(dim=1, keepdim=True)
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_p)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None, min_p: torch.Tensor | None, uniform: torch.Tensor,
+                greedy: torch.Tensor) -> torch.Tensor:
+    """One token per row of fp32 ``logits`` [B, V]: where ``temperature`` > 0, drawn from softmax(logits /
+    temperature) after min-p (tokens under min_p x the top probability weigh 0), top-k and top-p (in order of
+    probability, ties by token id: a token stays while the kept mass before it is under top_p of the kept total) as
+    the first token whose fp64 cumulative kept mass exceeds ``uniform`` (in (0, 1)) times the total; elsewhere
+    ``greedy``'s. ``top_k``, ``top_p``, ``min_p``: None where no row uses them."""
+    temp = torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
+    probs = _filter(torch.softmax(logits / temp, dim=1), top_k, top_p, min_p)
+    cdf = probs.double().cumsum(dim=1)
+    u = uniform.to(cdf.device) * cdf[:, -1]
+    drawn = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
+    return torch.where(temperature > 0, drawn, greedy)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

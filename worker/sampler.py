@@ -78,26 +78,6 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits - md.presence_penalty.unsqueeze(1) * (out_counts > 0)
 
 
-def _filter(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Zero out tokens outside min-p, top-k and top-p (each row with its own settings)."""
-    if md.min_p is not None:
-        keep = probs >= md.min_p.unsqueeze(1) * probs.max(dim=1, keepdim=True).values
-        probs = probs * keep
-    if md.top_k is None and md.top_p is None:
-        return probs
-    sorted_p, order = probs.sort(dim=1, descending=True)
-    drop = torch.zeros_like(sorted_p, dtype=torch.bool)
-    if md.top_k is not None:
-        drop |= torch.arange(probs.shape[1], device=probs.device)[None, :] >= md.top_k[:, None]
-    if md.top_p is not None:
-        # Mass strictly before each token; keep tokens until it reaches top_p of the (kept) total.
-        kept = sorted_p.masked_fill(drop, 0.0)
-        before = kept.cumsum(dim=1) - kept
-        drop |= before >= md.top_p[:, None] * kept.sum(dim=1, keepdim=True)
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_p)
-
-
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """See ``torch_ref.apply_token_bitmask``; the C++ kernel for fp32 CPU logits."""
     if cpu_fused.apply_token_bitmask_supported(logits, rows, bitmask):
@@ -124,12 +104,9 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     if md.all_greedy:
         token_ids = greedy
     else:
-        temp = torch.where(md.temperature > 0, md.temperature, 1.0).unsqueeze(1)
-        probs = _filter(torch.softmax(logits / temp, dim=1), md)
-        cdf = probs.double().cumsum(dim=1)
-        u = hashed_uniform(md.seeds, md.counters).to(cdf.device) * cdf[:, -1]
-        drawn = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
-        token_ids = torch.where(md.temperature > 0, drawn, greedy)
+        u = hashed_uniform(md.seeds, md.counters)
+        draw = cpu_fused.sample if cpu_fused.sample_supported(logits) else torch_ref.sample_rows
+        token_ids = draw(logits, md.temperature, md.top_k, md.top_p, md.min_p, u, greedy)
     if md.max_num_logprobs < 0:
         return SamplerOutput(token_ids, None, None, None, None)
     logprobs = torch.log_softmax(raw, dim=1)

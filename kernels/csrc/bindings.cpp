@@ -7,6 +7,7 @@
 #include "gemm_bf16.h"
 #include "gemm_int8.h"
 #include "layer.h"
+#include "sampling.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &ps::paged_attention);
@@ -18,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &ps::apply_token_bitmask);
   m.def("argmax_rows", &ps::argmax_rows);
   m.def("gather_rows", &ps::gather_rows);
+  m.def("sample_rows", &ps::sample_rows);
   m.def("gemm_packed", &ps::gemm_packed);
   m.def("gemm_bf16", &ps::gemm_bf16, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
         pybind11::arg("out"), pybind11::arg("use_amx") = true);
