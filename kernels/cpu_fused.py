@@ -5,7 +5,7 @@ Each kernel has a predicate, ``<kernel>_supported``, that holds exactly where th
 ``TORCH_CHECK`` preconditions); callers take their torch path where it does not. No size needs to be a multiple of
 the vector width: the kernels finish each row with a scalar tail.
 
-The kernels: ``csrc/fused.cpp``.
+The kernels: ``csrc/fused.cpp``, and ``csrc/sampling.cpp`` for random sampling.
 """
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor 
            min_p: torch.Tensor | None, uniform: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """One token per row: drawn with ``uniform`` (fp64 in (0, 1)) from softmax(logits / temperature) after min-p,
     top-k and top-p (each None where no row uses it), or ``greedy``'s where the temperature is 0. Where
-    :func:`sample_supported`; the torch path in ``worker/sampler.py`` is its definition."""
+    :func:`sample_supported`; ``torch_ref.sample_rows`` is its definition."""
     none = torch.empty(0)
     out = torch.empty(logits.shape[0], dtype=torch.long)
     cpu_extension.load().sample_rows(
