@@ -1,8 +1,10 @@
 """The sampler alone, on hand-made logits: seeded draws, top-k/top-p/min-p filters, penalties, token bitmasks."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from pagedserve.kernels import cpu_extension
 from pagedserve.worker.sampler import SamplingMetadata, apply_penalties, hashed_uniform, sample
 
 
@@ -88,17 +90,14 @@ def test_token_bitmask_bits_and_rows():
 
 
 
+@pytest.mark.skipif(not cpu_extension.available(), reason="no C++ compiler")
 def test_sampling_kernel_matches_the_torch_reference():
     """The C++ draw (cpu_fused.sample) against torch_ref.sample_rows on the same uniforms: the same tokens, row
     settings mixed (greedy rows, min-p, top-k, top-p and their combinations), a vocabulary that is not a multiple of
     16, and banned (-inf) tokens never drawn. Their softmaxes differ in the last bits, so a draw landing within that
     of a boundary may differ: at most one in a hundred here."""
-    import pytest
+    from pagedserve.kernels import cpu_fused, torch_ref
 
-    from pagedserve.kernels import cpu_extension, cpu_fused, torch_ref
-
-    if not cpu_extension.available():
-        pytest.skip("the C++ extension is not built here")
     g = torch.Generator().manual_seed(0)
     B, V = 240, 1003
     logits = torch.randn(B, V, generator=g) * 2.5
@@ -123,16 +122,13 @@ def test_sampling_kernel_matches_the_torch_reference():
         assert torch.equal(got[::8], greedy[::8]) and not (got == 7).any(), name
 
 
+@pytest.mark.skipif(not cpu_extension.available(), reason="no C++ compiler")
 def test_sampling_kernel_draws_only_what_the_filters_keep():
     """One row drawn 4000 times (uniforms spread over (0, 1)): top-k keeps exactly the k most probable tokens, top-p
     the most probable ones up to its mass, min-p those at or above min_p x the top probability, each drawn at
     about its renormalized probability."""
-    import pytest
+    from pagedserve.kernels import cpu_fused
 
-    from pagedserve.kernels import cpu_extension, cpu_fused
-
-    if not cpu_extension.available():
-        pytest.skip("the C++ extension is not built here")
     n = 4000
     probs = torch.tensor([0.05, 0.3, 0.02, 0.2, 0.13, 0.1, 0.2])  # two tied at 0.2: token 3 comes before 6
     logits = probs.log().expand(n, 7).contiguous()
