@@ -134,17 +134,22 @@ int64_t sample_row(const float* x, int64_t V, float temp, int64_t top_k, float t
       if (cut_k) for (int32_t i : ids) total += p[i];
       else for (t = 0; t < V; ++t) total += p[t];
       const float limit = top_p * total;
-      float mass = 0.f;
-      size_t i = 0;
-      for (; i < keep && mass < limit; ++i) mass += p[ids[i]];
-      if (i == keep && mass < limit && !cut_k && keep > 0) {  // fp32 rounding fell short: every candidate
+      // How many of ids (in order) top-p keeps, and whether their mass reached the limit.
+      auto kept = [&](size_t n, bool* reached) {
+        float mass = 0.f;
+        size_t i = 0;
+        for (; i < n && mass < limit; ++i) mass += p[ids[i]];
+        *reached = mass >= limit;
+        return i;
+      };
+      bool reached = false;
+      keep = kept(keep, &reached);
+      if (!reached && !cut_k && keep > 0) {  // fp32 rounding fell short of the candidates: every token with mass
         ids.clear();
         for (t = 0; t < V; ++t) if (p[t] > 0.f) ids.push_back(int32_t(t));
         sort_by_p(p, ids, tmp);
-        keep = ids.size();
-        for (i = 0, mass = 0.f; i < keep && mass < limit; ++i) mass += p[ids[i]];
+        keep = kept(ids.size(), &reached);
       }
-      keep = i;
     }
     // Every token after the last one kept (in the order above) weighs 0.
     const int32_t last_kept = keep > 0 ? ids[keep - 1] : -1;
@@ -158,13 +163,10 @@ int64_t sample_row(const float* x, int64_t V, float temp, int64_t top_k, float t
   block.resize(nb);
   double total = 0.0;
   typedef double f64x8 __attribute__((vector_size(64)));
-  typedef float f32x8v __attribute__((vector_size(32)));
   for (int64_t b = 0; b < nb; ++b) {
     double s = 0.0;
     if (b * 16 + 16 <= V) {
-      f32x8v lo, hi;
-      std::memcpy(&lo, p + b * 16, 32);
-      std::memcpy(&hi, p + b * 16 + 8, 32);
+      const f32x8 lo = load8(p + b * 16), hi = load8(p + b * 16 + 8);
       const f64x8 v = __builtin_convertvector(lo, f64x8) + __builtin_convertvector(hi, f64x8);
       s = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
     } else {
