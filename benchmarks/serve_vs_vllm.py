@@ -8,8 +8,8 @@
 The "served vs vLLM" benchmark of ../shared/BENCHMARKS.md. Both servers run on the same model dir, each at its
 best dtype here (pagedserve's ``--dtype auto``, which picks bf16 where the CPU has bf16 matmul instructions; vLLM
 ``--dtype bfloat16`` unless ``--vllm-dtype``; vLLM with OpenMP bound to every core and tcmalloc / Intel OpenMP
-preloaded, ``serve.vllm_env``), with the same ``--max-num-seqs``. Both stay up for the whole run; for every
-(workload, rate) vLLM's client (``vllm.benchmarks.serve``'s ``main``, run from the vLLM venv by
+preloaded, ``serve.vllm_env``), with the same ``--max-num-seqs``. Both stay up for all the runs of one repeat;
+for every (workload, rate) vLLM's client (``vllm.benchmarks.serve``'s ``main``, run from the vLLM venv by
 ``vllm_client.py``: ``--backend openai``, streamed ``/v1/completions``, ``--ignore-eos``, ``--temperature 0``)
 sends the same requests to one and then the other, the order alternating from one run to the next. Workloads:
 
@@ -29,10 +29,11 @@ Goodput: requests per second meeting the SLO (TTFT and TPOT, the client's ``--go
 and TPOT <= 100 ms on ``bench-llama-58m``, scaled for another model by the ratio of the weight bytes a decode
 step reads (``step_weight_params``). The targets read: pagedserve's output tok/s at rate inf, and its goodput at
 the highest rate where vLLM meets the SLO for at least half its requests, each >= 1.3x vLLM's, with no failed
-request. With ``--repeats N`` every (workload, rate) is N pairs, each with its own requests and the order
-alternating; a rate's row is its pair with the median throughput ratio, and the targets read the medians of the
-pairs' ratios (a single pair on a shared VM moves by 10-15%). While one server runs, the other's idle CPU use is
-recorded (its whole process tree).
+request. With ``--repeats N`` both servers are started N times, and every (workload, rate) is N pairs, one against
+each start, each with its own requests and the order alternating; a rate's row is its pair with the median
+throughput ratio, and the targets read the medians of the pairs' ratios (on a shared VM a single pair moves by
+10-15%, and pairs against one start agreed within 2% where the same build moved by up to 40% between starts).
+While one server runs, the other's idle CPU use is recorded (its whole process tree).
 
 Results accumulate per model in benchmarks/results/serve_vs_vllm-<cpu>.{json,png} (``--out`` names another).
 """
@@ -306,6 +307,31 @@ def rate_row(rate: str, pairs: list[dict]) -> dict:
     return row
 
 
+def start_servers(servers: dict, model_dir: str, tok: str, ps_log: str, vllm_log: str, threads: int,
+                  args: argparse.Namespace) -> None:
+    """Both servers up, into ``servers`` as each starts (so the caller stops what did start)."""
+    t = time.perf_counter()
+    servers["pagedserve"] = Server(model_dir, args.max_num_seqs, "cpu", ps_log,
+                                   ("--kv-cache-memory", str(args.kv_cache_gib << 30), "--tokenizer", tok),
+                                   dict(kv.split("=", 1) for kv in args.pagedserve_env))
+    servers["pagedserve"].wait_ready()
+    print(f"pagedserve serve ready in {time.perf_counter() - t:.0f} s (log {ps_log})", flush=True)
+    t = time.perf_counter()
+    servers["vllm"] = VllmServer(model_dir, args.max_num_seqs, vllm_log, threads=threads,
+                                 kv_cache_gib=args.kv_cache_gib, dtype=args.vllm_dtype, extra_args=("--tokenizer", tok))
+    servers["vllm"].wait_ready()
+    print(f"vllm serve ready in {time.perf_counter() - t:.0f} s (log {vllm_log})", flush=True)
+
+
+def warm_servers(servers: dict, share: Workload, vocab: int) -> None:
+    """The first requests and batch shapes of each server, not timed."""
+    warm = Workload("warm", share.prompts[:32], [16] * 32)
+    for s, server in servers.items():
+        run = (lambda w, r, sv=server: sv.run("http", w, r)) if s == "pagedserve" else server.run
+        warm_up(run, share)
+        run(fresh_tokens(warm, 20_000, vocab), math.inf)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="bench-llama-58m", choices=sorted(REFERENCE_MODELS))
@@ -317,8 +343,8 @@ def main() -> None:
     ap.add_argument("--random-range-ratio", type=float, default=0.5)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1,
-                    help="pairs of runs per (workload, rate), each with its own requests and the order alternating; "
-                         "the targets read the medians of the pairs' ratios")
+                    help="pairs of runs per (workload, rate), each against freshly started servers, with its own "
+                         "requests and the order alternating; the targets read the medians of the pairs' ratios")
     ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--kv-cache-gib", type=int, default=2,
                     help="KV cache of each server (pagedserve --kv-cache-memory, vLLM VLLM_CPU_KVCACHE_SPACE): both "
@@ -348,47 +374,35 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="serve_vs_vllm-")
     client_log = os.path.join(tmp, "client.log")
     tok = tokenizer_dir(model_dir, os.path.join(tmp, "tokenizer"))
-    servers = {}
-    loads = []
-    results: dict[str, list[dict]] = {w: [] for w in args.workloads}
+    loads: list[float] = []
+    pairs: dict[tuple[str, float], list[dict]] = {(w, r): [] for w in args.workloads for r in args.rates}
     problems: list[str] = []
-    try:
-        t = time.perf_counter()
-        servers["pagedserve"] = Server(model_dir, args.max_num_seqs, "cpu", os.path.join(tmp, "pagedserve.log"),
-                                       ("--kv-cache-memory", str(args.kv_cache_gib << 30), "--tokenizer", tok),
-                                       dict(kv.split("=", 1) for kv in args.pagedserve_env))
-        servers["pagedserve"].wait_ready()
-        print(f"pagedserve serve ready in {time.perf_counter() - t:.0f} s (log {tmp}/pagedserve.log)", flush=True)
-        t = time.perf_counter()
-        servers["vllm"] = VllmServer(model_dir, args.max_num_seqs, os.path.join(tmp, "vllm.log"), threads=threads,
-                                     kv_cache_gib=args.kv_cache_gib, dtype=args.vllm_dtype,
-                                     extra_args=("--tokenizer", tok))
-        servers["vllm"].wait_ready()
-        print(f"vllm serve ready in {time.perf_counter() - t:.0f} s (log {tmp}/vllm.log)", flush=True)
-        ps_dtype = pagedserve_dtype(os.path.join(tmp, "pagedserve.log"))
-        print(f"pagedserve dtype: {ps_dtype}; vLLM dtype: {args.vllm_dtype}")
-        warm = Workload("warm", share.prompts[:32], [16] * 32)
-        for s, server in servers.items():  # the first requests and batch shapes, not timed
-            run = (lambda w, r, sv=server: sv.run("http", w, r)) if s == "pagedserve" else server.run
-            warm_up(run, share)
-            run(fresh_tokens(warm, 20_000, vocab), math.inf)
-        k = 0
-        for workload in args.workloads:
-            for i, rate in enumerate(args.rates):
-                pairs = []
-                for rep in range(args.repeats):
+    logs: list[str] = []
+    niceness, ps_dtype = None, None
+    k = 0
+    for rep in range(args.repeats):  # each repeat against freshly started servers
+        servers: dict = {}
+        logs.append(os.path.join(tmp, f"pagedserve-{rep}.log"))
+        try:
+            start_servers(servers, model_dir, tok, logs[-1], os.path.join(tmp, f"vllm-{rep}.log"), threads, args)
+            ps_dtype = ps_dtype or pagedserve_dtype(logs[-1])
+            print(f"pagedserve dtype: {ps_dtype}; vLLM dtype: {args.vllm_dtype}")
+            warm_servers(servers, share, vocab)
+            for workload in args.workloads:
+                for i, rate in enumerate(args.rates):
                     order = SYSTEMS if k % 2 == 0 else SYSTEMS[::-1]
                     k += 1
                     pair = run_pair(servers, workload, rate, 1 + i + 100 * rep, order, share, vocab, tok, tmp,
                                     client_log, args, loads)
+                    pair["server_start"] = rep
                     problems += [f"{workload} rate {fmt_rate(rate)}: {p}" for p in pair["token_count_problems"]]
-                    pairs.append(pair)
-                results[workload].append(rate_row(fmt_rate(rate), pairs))
-        niceness = check_engine_code(servers["pagedserve"].proc.pid)
-    finally:
-        for server in servers.values():
-            server.stop()
-    restarts = replica_failures(os.path.join(tmp, "pagedserve.log"))
+                    pairs[(workload, rate)].append(pair)
+            niceness = check_engine_code(servers["pagedserve"].proc.pid) if niceness is None else niceness
+        finally:
+            for server in servers.values():
+                server.stop()
+    results = {w: [rate_row(fmt_rate(r), pairs[(w, r)]) for r in args.rates] for w in args.workloads}
+    restarts = [line for log in logs for line in replica_failures(log)]
     for line in restarts:
         print("pagedserve engine replica failed during the run:", line)
     settings = {"date": time.strftime("%Y-%m-%d %H:%M"), "requests": args.num_prompts,
@@ -399,7 +413,7 @@ def main() -> None:
                                    "range_ratio": args.random_range_ratio},
                 "max_num_seqs": args.max_num_seqs, "pagedserve_dtype": ps_dtype, "vllm_dtype": args.vllm_dtype,
                 "kv_cache_gib": args.kv_cache_gib, "threads": threads, "pagedserve_env": args.pagedserve_env,
-                "pagedserve_engine_niceness": niceness,
+                "pagedserve_engine_niceness": niceness, "server_starts": args.repeats,
                 "loadavg_1min_before_runs": {"min": min(loads), "max": max(loads)},
                 "token_count_problems": problems, "pagedserve_replica_failures": restarts}
     workloads = {w: {**settings, "runs": rs, "targets": verdict(rs)} for w, rs in results.items()}
