@@ -43,6 +43,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -135,22 +136,29 @@ def run_client(argv: list[str], log_path: str) -> dict:
             return json.load(f)
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds used so far by a process and everything under it."""
+def tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds used so far by a process and everything under it, summed by process title (the process name
+    for others): ``ray::EngineCoreActor``, ``raylet``, ``VLLM::EngineCore``, ``python3``..."""
     import psutil
 
-    total = 0.0
+    out: dict[str, float] = {}
     try:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
-        return math.nan
+        return out
     for p in procs:
         try:
             t = p.cpu_times()
-            total += t.user + t.system
+            cmd = p.cmdline()
+            title = cmd[0].split()[0] if cmd and "::" in cmd[0] else p.name()
         except psutil.Error:
-            pass
-    return total
+            continue
+        out[title] = out.get(title, 0.0) + t.user + t.system
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 2) for k, v in after.items() if v - before.get(k, 0.0) >= 0.01}
 
 
 def summarize(r: dict, n: int) -> dict:
@@ -276,13 +284,17 @@ def run_pair(servers: dict, workload: str, rate: float, seed: int, order: tuple[
         server = servers[s]
         other = servers[SYSTEMS[1 - SYSTEMS.index(s)]]
         load, start = os.getloadavg()[0], time.strftime("%H:%M:%S")
-        idle0, t0 = tree_cpu_seconds(other.proc.pid), time.perf_counter()
+        idle0, own0, t0 = tree_cpu(other.proc.pid), tree_cpu(server.proc.pid), time.perf_counter()
+        client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         raw[s] = run_client(client_args(workload, rate, seed, tok, server.model, server.url, args.num_prompts, path,
                                         args), client_log)
-        idle = (tree_cpu_seconds(other.proc.pid) - idle0) / (time.perf_counter() - t0)
+        client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        idle = sum(cpu_delta(idle0, tree_cpu(other.proc.pid)).values()) / (time.perf_counter() - t0)
         pair[s] = summarize(raw[s], args.num_prompts)
         pair[s].update(loadavg_1min_before=load, other_server_idle_cpu=idle, started=start,
-                       ended=time.strftime("%H:%M:%S"))
+                       ended=time.strftime("%H:%M:%S"), server_cpu_s=cpu_delta(own0, tree_cpu(server.proc.pid)),
+                       client_cpu_s=round(client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime,
+                                          2))
         loads.append(load)
     pair["token_count_problems"] = check_lengths(raw, expect_prompt, expect_out)
     pair["ratios"] = ratios(pair["pagedserve"], pair["vllm"])
@@ -290,7 +302,8 @@ def run_pair(servers: dict, workload: str, rate: float, seed: int, order: tuple[
         print("TOKEN COUNTS:", p)
     print(f"{workload} rate {fmt_rate(rate)}: " + ", ".join(
         f"{s} {pair[s]['output_tok_s']:.1f} out tok/s, TTFT p50 {pair[s]['ttft_ms']['p50']:.0f} ms, "
-        f"TPOT p50 {pair[s]['tpot_ms']['p50']:.1f} ms, failed {pair[s]['failed']}" for s in order), flush=True)
+        f"TPOT p50 {pair[s]['tpot_ms']['p50']:.1f} ms, failed {pair[s]['failed']}, CPU s: server "
+        f"{pair[s]['server_cpu_s']}, client {pair[s]['client_cpu_s']}" for s in order), flush=True)
     return pair
 
 
