@@ -1,11 +1,12 @@
 """The sampler alone, on hand-made logits: seeded draws, top-k/top-p/min-p filters, penalties, token bitmasks."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_extension
-from pagedserve.worker.sampler import SamplingMetadata, apply_penalties, hashed_uniform, sample
+from pagedserve.kernels import cpu_extension, cpu_fused, torch_ref
+from pagedserve.worker.sampler import SamplingMetadata, apply_penalties, apply_token_bitmask, hashed_uniform, sample
 
 
 def _md(n: int, **kw) -> SamplingMetadata:
@@ -62,11 +63,6 @@ def test_token_bitmask_bits_and_rows():
     """Bit t of int32 word t // 32 allows token t (llguidance's layout); unlisted rows are untouched; tokens past
     the mask's width are not allowed, bits past the vocabulary are ignored. The torch reference, the C++ kernel and
     the sampler's choice between them all follow that definition, and none writes into its input."""
-    import numpy as np
-
-    from pagedserve.kernels import cpu_extension, cpu_fused, torch_ref
-    from pagedserve.worker.sampler import apply_token_bitmask
-
     impls = [torch_ref.apply_token_bitmask, apply_token_bitmask]
     if cpu_extension.available():
         impls.append(cpu_fused.apply_token_bitmask)
@@ -96,8 +92,6 @@ def test_sampling_kernel_matches_the_torch_reference():
     settings mixed (greedy rows, min-p, top-k, top-p and their combinations), a vocabulary that is not a multiple of
     16, and banned (-inf) tokens never drawn. Their softmaxes differ in the last bits, so a draw landing within that
     of a boundary may differ: at most one in a hundred here."""
-    from pagedserve.kernels import cpu_fused, torch_ref
-
     g = torch.Generator().manual_seed(0)
     B, V = 240, 1003
     logits = torch.randn(B, V, generator=g) * 2.5
@@ -127,8 +121,6 @@ def test_sampling_kernel_draws_only_what_the_filters_keep():
     """One row drawn 4000 times (uniforms spread over (0, 1)): top-k keeps exactly the k most probable tokens, top-p
     the most probable ones up to its mass, min-p those at or above min_p x the top probability, each drawn at
     about its renormalized probability."""
-    from pagedserve.kernels import cpu_fused
-
     n = 4000
     probs = torch.tensor([0.05, 0.3, 0.02, 0.2, 0.13, 0.1, 0.2])  # two tied at 0.2: token 3 comes before 6
     logits = probs.log().expand(n, 7).contiguous()
