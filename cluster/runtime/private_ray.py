@@ -32,12 +32,23 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 START_TIMEOUT_S = 120.0
+START_ATTEMPTS = 2
+
+
+class _HeadExited(Exception):
+    pass
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _die_with_parent() -> None:
@@ -52,7 +63,22 @@ class PrivateRay:
         self.temp_dir: str | None = None
 
     def start(self) -> None:
-        """Start the head and connect this process to it as the driver."""
+        """Start the head and connect this process to it as the driver. A head that dies while starting (one of
+        Ray's processes lost a race for a port it picked itself, say) is started once more, on fresh ports."""
+        for attempt in range(START_ATTEMPTS):
+            try:
+                self._start_once()
+                return
+            except _HeadExited as e:
+                self.stop()
+                if attempt + 1 == START_ATTEMPTS:
+                    raise RuntimeError(str(e)) from None
+                logger.warning("%s; starting it again", e)
+            except BaseException:
+                self.stop()
+                raise
+
+    def _start_once(self) -> None:
         port = _free_port()
         # Short: Ray's socket paths have a length limit. Fixed default ports would clash with another Ray on the host.
         self.temp_dir = tempfile.mkdtemp(prefix="psray", dir="/tmp")
@@ -66,24 +92,42 @@ class PrivateRay:
         # mode for this process (and so for the head, which inherits the environment) and a token on disk.
         enable_token_auth_by_default()
         ensure_token_if_auth_enabled(None, create_token_if_missing=True)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent, env=ray_env())
+        # `ray start` prints why it gave up (which of its processes exited, with the tail of that one's log).
+        head_log = open(os.path.join(self.temp_dir, "head.log"), "wb")
+        with head_log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=head_log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=_die_with_parent, env=ray_env())
         address = f"127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S
+        # ray.init() against a GCS that is not up retries inside for minutes, blind to a head that has died: connect
+        # only once the GCS port answers, watching the head until then.
+        while not _accepts(port):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the private Ray head did not come up in {START_TIMEOUT_S:.0f} s; it printed:\n"
+                                   f"{self._head_output()}")
+            time.sleep(0.2)
         while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the private Ray head exited with {self.proc.returncode} while starting "
-                                   f"(logs: {self.temp_dir})")
+            self._check_alive()
             try:
                 ray.init(address=address, log_to_driver=False)
                 break
             except (ConnectionError, TimeoutError, ray.exceptions.RaySystemError) as e:
                 if time.monotonic() > deadline:
-                    self.stop()
                     raise RuntimeError(f"the private Ray head did not come up in {START_TIMEOUT_S:.0f} s: {e}") from e
                 time.sleep(0.5)
         logger.info("private Ray head at %s (session %d)", address, self.proc.pid)
+
+    def _check_alive(self) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise _HeadExited(f"the private Ray head exited with {self.proc.returncode} while starting; it printed:\n"
+                              f"{self._head_output()}")
+
+    def _head_output(self, limit: int = 4000) -> str:
+        assert self.temp_dir is not None
+        with open(os.path.join(self.temp_dir, "head.log"), "rb") as f:
+            return f.read().decode(errors="replace")[-limit:]
 
     def stop(self, timeout: float = 20.0) -> None:
         """Disconnect, stop the head (it stops its processes), then kill whatever of its session is left."""
