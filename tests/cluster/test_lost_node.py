@@ -117,13 +117,16 @@ def main(model_dir: str, new_dir: str) -> None:
             """A rollout to new weights (no room to surge: each old replica drained, then replaced in place) that
             loses the node of an old replica it has not reached yet."""
             states = srv.gateway.state.engine.replicas
-            old = {r.index for r in states}
+            last = srv.gateway.state.scaler.replicas[-1]  # the rollout replaces them in this order
             async with httpx2.AsyncClient(base_url=srv.http_url, timeout=600) as http:
                 rollout = asyncio.create_task(http.post("/rollout", json={"model": new_dir, "drain_timeout": 5}))
                 while not any(r.retiring for r in states):
                     await asyncio.sleep(0.02)
-                other = next(r for r in states if not r.retiring and r.index in old).replica
-                await asyncio.to_thread(cluster.remove_node, next(n for n in nodes if n.node_id == node_of(other)))
+                target = next((r for r in states if r.index == last.index), None)
+                assert target is not None and not target.retiring, (
+                    f"the rollout reached replica {last.index} before its node could be lost: "
+                    f"{[(r.index, r.retiring, r.alive, r.gone) for r in states]}")
+                await asyncio.to_thread(cluster.remove_node, next(n for n in nodes if n.node_id == node_of(last)))
                 nodes.append(cluster.add_node(num_cpus=1))  # main thread: it sets signal handlers
                 response = await rollout
                 report["rollout_status"] = response.status_code
