@@ -117,12 +117,17 @@ def main(model_dir: str, new_dir: str) -> None:
             """A rollout to new weights (no room to surge: each old replica drained, then replaced in place) that
             loses the node of an old replica it has not reached yet."""
             states = srv.gateway.state.engine.replicas
-            last = srv.gateway.state.scaler.replicas[-1]  # the rollout replaces them in this order
+            first, *_, last = srv.gateway.state.scaler.replicas  # the rollout replaces them in this order
+
+            def state(index: int):
+                return next((r for r in states if r.index == index), None)
+
             async with httpx2.AsyncClient(base_url=srv.http_url, timeout=600) as http:
                 rollout = asyncio.create_task(http.post("/rollout", json={"model": new_dir, "drain_timeout": 5}))
-                while not any(r.retiring for r in states):
+                # An idle replica is retiring for only milliseconds before it leaves the list: wait for either.
+                while (s := state(first.index)) is not None and not s.retiring:
                     await asyncio.sleep(0.02)
-                target = next((r for r in states if r.index == last.index), None)
+                target = state(last.index)
                 assert target is not None and not target.retiring, (
                     f"the rollout reached replica {last.index} before its node could be lost: "
                     f"{[(r.index, r.retiring, r.alive, r.gone) for r in states]}")
