@@ -39,6 +39,15 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || exit 1
 fi
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+# The engine imports llguidance (structured output), which the device image lacks: without its wheel every engine
+# test fails to collect, so say so before any device time goes to the rest.
+if ! err=$("$py" -c "import pagedserve.engine.llm" 2>&1); then
+    echo "gpu_check: the engine does not import here: ${err##*$'\n'}" >&2
+    echo "gpu_check: put the missing wheels in .whl/ (and carry it), e.g. python3 -m pip download --no-deps" \
+        "--only-binary=:all: --python-version 3.12 --implementation cp --abi abi3 --platform manylinux_2_31_x86_64" \
+        "-d .whl llguidance==\$(pip show llguidance | sed -n 's/^Version: //p')" >&2
+    exit 1
+fi
 
 {
     [ $dry = 0 ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -26,3 +26,18 @@ def test_gpu_check_dry_run_reaches_every_step(tmp_path):
     bad = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--frobnicate"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown argument --frobnicate" in bad.stderr
+
+
+def test_gpu_check_stops_first_when_the_engine_does_not_import(tmp_path):
+    """The device image lacks llguidance: without its wheel every engine test would fail to collect, so the check
+    stops before spending device time and says which wheel to carry."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "llguidance.py").write_text("raise ImportError('No module named llguidance')\n")
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, PYTHONPATH=str(shadow))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "does not import here" in proc.stderr and "-d .whl llguidance==" in proc.stderr, proc.stderr
+    assert not (out / "gpu-tests.log").exists()
