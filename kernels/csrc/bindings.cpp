@@ -1,4 +1,9 @@
 // The extension's Python functions: every kernel the Python modules of pagedserve.kernels call.
+//
+// Each runs without the GIL (its arguments are converted before and its result after): a prefill layer of a 1B
+// model runs for most of a second, and a served engine's event loop and Ray's threads share its process. Held,
+// they got the GIL only between kernel calls, and a step's outputs reached the gateway a step late. Kernels called
+// from several threads at once stay correct: the pool runs one region at a time and the others on their caller.
 #include <torch/python.h>
 
 #include "attention.h"
@@ -10,23 +15,24 @@
 #include "sampling.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &ps::paged_attention);
-  m.def("rms_norm", &ps::rms_norm);
-  m.def("fused_add_rms_norm", &ps::fused_add_rms_norm);
-  m.def("silu_and_mul", &ps::silu_and_mul);
-  m.def("rotary", &ps::rotary);
-  m.def("reshape_and_cache", &ps::reshape_and_cache);
-  m.def("apply_token_bitmask", &ps::apply_token_bitmask);
-  m.def("argmax_rows", &ps::argmax_rows);
-  m.def("gather_rows", &ps::gather_rows);
-  m.def("sample_rows", &ps::sample_rows);
-  m.def("gemm_packed", &ps::gemm_packed);
-  m.def("gemm_bf16", &ps::gemm_bf16, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("paged_attention", &ps::paged_attention, nogil);
+  m.def("rms_norm", &ps::rms_norm, nogil);
+  m.def("fused_add_rms_norm", &ps::fused_add_rms_norm, nogil);
+  m.def("silu_and_mul", &ps::silu_and_mul, nogil);
+  m.def("rotary", &ps::rotary, nogil);
+  m.def("reshape_and_cache", &ps::reshape_and_cache, nogil);
+  m.def("apply_token_bitmask", &ps::apply_token_bitmask, nogil);
+  m.def("argmax_rows", &ps::argmax_rows, nogil);
+  m.def("gather_rows", &ps::gather_rows, nogil);
+  m.def("sample_rows", &ps::sample_rows, nogil);
+  m.def("gemm_packed", &ps::gemm_packed, nogil);
+  m.def("gemm_bf16", &ps::gemm_bf16, nogil, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
         pybind11::arg("out"), pybind11::arg("use_amx") = true);
-  m.def("gemm_bf16_built", &ps::gemm_bf16_built);
-  m.def("gemm_bf16_amx", &ps::gemm_bf16_amx);
-  m.def("llama_layer", &ps::llama_layer);
-  m.def("gemm_int8", &ps::gemm_int8, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale"),
+  m.def("gemm_bf16_built", &ps::gemm_bf16_built, nogil);
+  m.def("gemm_bf16_amx", &ps::gemm_bf16_amx, nogil);
+  m.def("llama_layer", &ps::llama_layer, nogil);
+  m.def("gemm_int8", &ps::gemm_int8, nogil, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale"),
         pybind11::arg("bias"), pybind11::arg("out"), pybind11::arg("use_amx") = true);
-  m.def("gemm_int8_dp_built", &ps::gemm_int8_dp_built);
+  m.def("gemm_int8_dp_built", &ps::gemm_int8_dp_built, nogil);
 }

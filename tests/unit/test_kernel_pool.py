@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -87,3 +88,37 @@ def test_forked_child_starts_its_own_workers():
         os.waitpid(pid, 0)
         pytest.fail("the forked child's kernels hung")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_kernels_let_other_python_threads_run():
+    """A kernel runs without the GIL: a served engine's event loop and Ray's threads share its process, and a
+    prefill layer of a 1B model runs for most of a second. While one long call runs, another Python thread keeps
+    going; holding the GIL, the call would leave it not one bytecode. The margins leave out that thread's turns
+    just before and after a call (Python hands the GIL over every 5 ms)."""
+    x, w = torch.randn(32768, 2048), torch.ones(2048)
+    out = torch.empty_like(x)
+    kernels = cpu_extension.load()
+    threads = torch.get_num_threads()
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    spinner = threading.Thread(target=spin)
+    torch.set_num_threads(1)  # a longer call, and a core for the other thread
+    spinner.start()
+    try:
+        calls = []
+        for _ in range(3):
+            start = time.perf_counter()
+            kernels.rms_norm(x, w, 1e-5, out)
+            calls.append((start + 0.01, time.perf_counter() - 0.01))
+    finally:
+        stop.set()
+        spinner.join()
+        torch.set_num_threads(threads)
+    assert all(b - a > 0.01 for a, b in calls), calls  # long enough to tell
+    inside = [sum(1 for t in ticks if a < t < b) for a, b in calls]
+    assert min(inside) > 1000, inside
