@@ -41,12 +41,7 @@ inline void bgemm_tile(const bf16_t* x, int64_t ldx, const bf16_t* p, int64_t K2
   const __m512 b1 = bias ? widen(bias + 16, m1) : _mm512_setzero_ps();
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) { a0[r] = b0; a1[r] = b1; }
-  dp_accumulate<MR>(a0, a1, x, ldx, p, K2, [&](int64_t kk) __attribute__((always_inline)) {
-    if (pf != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(pf + kk * 2 * kBNR), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(pf + kk * 2 * kBNR + kBNR), _MM_HINT_T1);
-    }
-  });
+  dp_accumulate<MR>(a0, a1, x, ldx, p, K2, pf);
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
     store_out(y + r * ldy, a0[r], m0);
