@@ -3,6 +3,8 @@
 
 #include "layer.h"
 
+#include <array>
+
 #include "attention.h"
 #include "fused.h"
 #include "gemm.h"
@@ -11,11 +13,22 @@
 
 namespace ps {
 
-// y = x @ W.T (+ bias inside the GEMM, as a column-parallel layer adds it; or after it, as a row-parallel one).
-// int8 panels come with their per-channel scales.
+// The calling thread's buffer for intermediate `slot` of a layer, as [rows, cols] of x's dtype: kept and grown, never
+// shrunk, so a step's layers reuse the pages of the first. A fresh multi-MB tensor each time is mmap'd by glibc and
+// unmapped on free, and every layer then paid the kernel's page faults and zeroing again.
+inline torch::Tensor workspace(int slot, int64_t rows, int64_t cols, const torch::Tensor& like) {
+  thread_local std::array<torch::Tensor, 6> buffers;
+  torch::Tensor& b = buffers[slot];
+  const int64_t n = rows * cols;
+  if (!b.defined() || b.numel() < n || b.scalar_type() != like.scalar_type())
+    b = torch::empty({std::max<int64_t>(n, b.defined() ? b.numel() : 0)}, like.options());
+  return b.narrow(0, 0, n).view({rows, cols});
+}
+
+// y = x @ W.T (+ bias inside the GEMM, as a column-parallel layer adds it; or after it, as a row-parallel one), into
+// y. int8 panels come with their per-channel scales.
 inline torch::Tensor linear_panels(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scale,
-                                   int64_t n, const torch::Tensor& bias, bool bias_after) {
-  auto y = torch::empty({x.size(0), n}, x.options());
+                                   const torch::Tensor& bias, bool bias_after, torch::Tensor y) {
   const auto b = bias_after ? torch::empty({0}, x.options()) : bias;
   if (panels.scalar_type() == torch::kChar) gemm_int8(x, panels, scale, b, y);
   else if (panels.scalar_type() == torch::kBFloat16) gemm_bf16(x, panels, b, y);
@@ -39,26 +52,28 @@ std::vector<torch::Tensor> llama_layer(
   torch::Tensor h;
   if (residual.numel() == 0) {
     residual = x;
-    h = torch::empty_like(x);
+    h = workspace(0, T, x.size(1), x);
     rms_norm(x, ln1, eps, h);
   } else {
     fused_add_rms_norm(x, residual, ln1, eps);
     h = x;
   }
-  auto qkv = linear_panels(h, weights[0], scales[0], dims[4], biases[0], false);
+  auto qkv = linear_panels(h, weights[0], scales[0], biases[0], false, workspace(1, T, dims[4], x));
   auto q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
   auto k = qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D});
   auto v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D});
   rotary(positions, q, k, cos, sin, dims[3]);
   reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
-  auto attn = torch::empty({T, Hq, D}, x.options());
+  auto attn = workspace(2, T, Hq * D, x).view({T, Hq, D});
   paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, attn, 0, 0.0, k_scale, v_scale);
-  auto o = linear_panels(attn.view({T, Hq * D}), weights[1], scales[1], dims[5], biases[1], true);
+  auto o = linear_panels(attn.view({T, Hq * D}), weights[1], scales[1], biases[1], true, workspace(3, T, dims[5], x));
   fused_add_rms_norm(o, residual, ln2, eps);
-  auto gate_up = linear_panels(o, weights[2], scales[2], dims[6], biases[2], false);
-  auto act = torch::empty({T, dims[6] / 2}, x.options());
+  auto gate_up = linear_panels(o, weights[2], scales[2], biases[2], false, workspace(4, T, dims[6], x));
+  auto act = workspace(5, T, dims[6] / 2, x);
   silu_and_mul(gate_up, act);
-  return {linear_panels(act, weights[3], scales[3], dims[7], biases[3], true), residual};
+  // The output is the next layer's input (and may become its residual): a tensor of its own.
+  return {linear_panels(act, weights[3], scales[3], biases[3], true, torch::empty({T, dims[7]}, x.options())),
+          residual};
 }
 
 }  // namespace ps
