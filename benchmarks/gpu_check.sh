@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, on a CUDA machine that has torch, triton and transformers (Ray is not needed):
 # the tests that run on CUDA there (Triton kernels against torch_ref, the engine on the Triton backend against the
-# torch one, fp32 parity with transformers, bf16 by vLLM's top-5 rule, sliding window, odd shapes), then
-# benchmarks/kernels.py, then bench-llama-7b-shape end to end against HF sequential and static batching, and with an
-# fp8 KV cache against bf16 at one KV budget.
+# torch one, fp32 parity with transformers, bf16 by vLLM's top-5 rule, sliding window, odd shapes, the fp8 KV cache,
+# int8 weights against the dequantized model), then benchmarks/kernels.py, then bench-llama-7b-shape end to end
+# against HF sequential and static batching, and with an fp8 KV cache against bf16 at one KV budget.
 # Logs and results go to $OUT when set (the device tool), else benchmarks/results/gpu/.
 #
 #   bash benchmarks/gpu_check.sh [--quick] [--dry-run]
@@ -72,6 +72,7 @@ timeout 200 "$py" -m pytest "${opts[@]}" tests/engine/test_triton_e2e.py tests/e
 timeout 60 "$py" -m pytest "${opts[@]}" tests/engine/test_bf16.py -k "bf16_greedy and cuda" 2>&1 | tee -a "$log" \
     || status=1
 timeout 60 "$py" -m pytest "${opts[@]}" tests/engine/test_kv_cache_fp8.py -k "cuda" 2>&1 | tee -a "$log" || status=1
+timeout 60 "$py" -m pytest "${opts[@]}" tests/engine/test_int8.py -k "greedy and cuda" 2>&1 | tee -a "$log" || status=1
 echo "tests: $((SECONDS - start)) s" | tee -a "$log"
 
 sweep=()

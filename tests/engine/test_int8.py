@@ -62,16 +62,18 @@ def int8_llm():
     llm.shutdown()
 
 
-def test_greedy_equals_dequantized_model(dequantized_dir):
-    """In fp32, where the int8 GEMM's ``(x @ q) * scale`` and the dequantized ``x @ (q * scale)`` differ only by
-    fp32 rounding."""
-    int8 = LLM(quantization="int8", dtype="float32")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_greedy_equals_dequantized_model(dequantized_dir, device):
+    """In fp32, where the int8 GEMM's ``(x @ q) * scale`` (on CUDA: the torch reference) and the dequantized
+    ``x @ (q * scale)`` differ only by fp32 rounding."""
+    int8 = LLM(quantization="int8", dtype="float32", device=device)
     try:
         assert int8.llm_engine.config.model_config.quantization == "int8"
         got = _greedy(int8, PROMPTS)
     finally:
         int8.shutdown()
-    ref = LLM(dequantized_dir, dtype="float32")
+    ref = LLM(dequantized_dir, dtype="float32", device=device)
     try:
         want = _greedy(ref, PROMPTS)
     finally:
