@@ -19,7 +19,7 @@ def test_gpu_check_dry_run_reaches_every_step(tmp_path):
     assert "torch" in (tmp_path / "gpu-env.txt").read_text()
     tests = (tmp_path / "gpu-tests.log").read_text()
     collected = [int(n) for n in re.findall(r"^(\d+)(?:/\d+)? tests? collected", tests, re.M)]
-    assert len(collected) == 4 and min(collected) > 0 and "error" not in tests.lower(), tests[-3000:]
+    assert len(collected) == 5 and min(collected) > 0 and "error" not in tests.lower(), tests[-3000:]
     assert "no CUDA device" in (tmp_path / "kernels.log").read_text()
     assert "--hf-static-batches" in (tmp_path / "throughput.log").read_text()
     assert "--kv-mib" in (tmp_path / "kv_cache_fp8.log").read_text()

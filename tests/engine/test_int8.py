@@ -25,6 +25,7 @@ from pagedserve.sampling_params import StructuredOutputsParams
 PROMPTS = ["def __init__(self", "import os\n\ndef", "for i in range(", "class Parser:\n    def parse(self, text):",
            "    return self._"]
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
+KV_BYTES = 64 << 20  # fixed, so that the second engine on CUDA does not size its cache from what the first left
 LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 # Held out of the demo model's training (assets/train_demo_model.py skips idlelib/ and test/ directories).
 HELD_OUT = ["idlelib/editor.py", "test/test_grammar.py"]
@@ -67,13 +68,13 @@ def int8_llm():
 def test_greedy_equals_dequantized_model(dequantized_dir, device):
     """In fp32, where the int8 GEMM's ``(x @ q) * scale`` (on CUDA: the torch reference) and the dequantized
     ``x @ (q * scale)`` differ only by fp32 rounding."""
-    int8 = LLM(quantization="int8", dtype="float32", device=device)
+    int8 = LLM(quantization="int8", dtype="float32", device=device, kv_cache_memory=KV_BYTES)
     try:
         assert int8.llm_engine.config.model_config.quantization == "int8"
         got = _greedy(int8, PROMPTS)
     finally:
         int8.shutdown()
-    ref = LLM(dequantized_dir, dtype="float32", device=device)
+    ref = LLM(dequantized_dir, dtype="float32", device=device, kv_cache_memory=KV_BYTES)
     try:
         want = _greedy(ref, PROMPTS)
     finally:
