@@ -37,7 +37,8 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def shutdown(self) -> None:
-        """Release the workers (Ray actors and their placement group for tensor parallelism) now."""
+        """Release the workers now: Ray actors and their placement group for tensor parallelism, or the in-process
+        weights and KV cache."""
         self._release()
 
     def reset_prefix_cache(self) -> None:
@@ -68,6 +69,8 @@ class LLM:
 
     def _add_all(self, prompts: list[PromptType], params: list) -> list[str]:
         """Process every request first, so a bad one leaves nothing half-queued; then queue them all."""
+        if not self._release.alive:
+            raise RuntimeError("this LLM was shut down; build a new one")
         engine = self.llm_engine
         processed = []
         for i, (p, sp) in enumerate(zip(prompts, params)):

@@ -32,6 +32,12 @@ class Worker:
         torch.manual_seed(config.seed)
         self.model_runner = ModelRunner(config, self.device)
 
+    def shutdown(self) -> None:
+        """Drop the weights and the KV cache: an in-process engine's ``LLM`` object can outlive its shutdown, and a
+        next engine in the same process sizes its cache from the memory left. (The engine core then collects them:
+        the model's modules form cycles, in a heap it froze.)"""
+        self.model_runner = None
+
     def determine_num_blocks(self) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         runner = self.model_runner

@@ -29,4 +29,4 @@ class UniProcExecutor(Executor):
         return self.worker.execute_model(sched)
 
     def shutdown(self) -> None:
-        pass
+        self.worker.shutdown()
