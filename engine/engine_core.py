@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.executor import Executor, create_executor
-from pagedserve.engine.gc_heap import collect_gc_heap, freeze_gc_heap
+from pagedserve.engine.gc_heap import freeze_gc_heap
 from pagedserve.engine.tokenizer import guidance_tokenizer, load_tokenizer
 from pagedserve.errors import DuplicateRequestError, EngineUnavailableError, WorkerFailedError
 from pagedserve.outputs import EngineCoreOutput
@@ -240,7 +240,6 @@ class EngineCore:
         else:
             outputs = self.scheduler.requeue_all(MAX_RESUMES)
         self.executor.shutdown()
-        collect_gc_heap()  # an in-process model's memory, before the next one is built
         try:
             self.executor = self._executor_factory(self.config)
             cc = self.config.cache_config
@@ -284,4 +283,3 @@ class EngineCore:
     def shutdown(self) -> None:
         self.executor.shutdown()
         self.scheduler.structured.shutdown()
-        collect_gc_heap()

@@ -34,8 +34,8 @@ class Worker:
 
     def shutdown(self) -> None:
         """Drop the weights and the KV cache: an in-process engine's ``LLM`` object can outlive its shutdown, and a
-        next engine in the same process sizes its cache from the memory left. (The engine core then collects them:
-        the model's modules form cycles, in a heap it froze.)"""
+        next engine in the same process sizes its cache from the memory left. (``LLM`` then collects them: the
+        model's modules form cycles, in the heap the engine core froze.)"""
         self.model_runner = None
 
     def determine_num_blocks(self) -> int:
