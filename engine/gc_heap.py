@@ -19,12 +19,3 @@ def freeze_gc_heap() -> None:
     gc.collect()
     gc.freeze()
 
-
-def collect_gc_heap() -> None:
-    """Collect the cycles that died in the frozen heap (a shut-down engine's model), which no collection reaches
-    while frozen; what is still alive is frozen again."""
-    frozen = gc.get_freeze_count() > 0
-    gc.unfreeze()
-    gc.collect()
-    if frozen:
-        gc.freeze()

@@ -7,8 +7,6 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.engine_core import EngineCore
-from pagedserve.engine.gc_heap import collect_gc_heap
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
@@ -27,7 +25,7 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(args)
         # Workers (Ray actors, placement group) go when the LLM does: on shutdown(), leaving a `with` block, the
         # last reference dropped, or interpreter exit, whichever comes first.
-        self._release = weakref.finalize(self, _release, self.llm_engine.core)
+        self._release = weakref.finalize(self, self.llm_engine.core.shutdown)
 
     def __enter__(self) -> LLM:
         return self
@@ -102,8 +100,3 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in request_ids]
-
-
-def _release(core: EngineCore) -> None:
-    core.shutdown()
-    collect_gc_heap()  # the in-process model's modules form cycles in the heap the engine core froze

@@ -33,10 +33,14 @@ class Worker:
         self.model_runner = ModelRunner(config, self.device)
 
     def shutdown(self) -> None:
-        """Drop the weights and the KV cache: an in-process engine's ``LLM`` object can outlive its shutdown, and a
-        next engine in the same process sizes its cache from the memory left. (``LLM`` then collects them: the
-        model's modules form cycles, in the heap the engine core froze.)"""
-        self.model_runner = None
+        """Free the weights and the KV cache now: an in-process engine's ``LLM`` object can outlive its shutdown, and a
+        next engine in the same process sizes its cache from the memory left. The modules form reference cycles in
+        the heap the engine core froze (``engine/gc_heap.py``), which no collection reaches: clearing their dicts
+        breaks the cycles, so reference counting frees the tensors."""
+        runner, self.model_runner = self.model_runner, None
+        if runner is not None:
+            for module in list(runner.model.modules()):
+                module.__dict__.clear()
 
     def determine_num_blocks(self) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
