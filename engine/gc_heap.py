@@ -18,4 +18,3 @@ def freeze_gc_heap() -> None:
     """
     gc.collect()
     gc.freeze()
-
