@@ -1,6 +1,10 @@
-"""Weight-only int8 vs bf16 decode throughput on CPU, side by side (alternating) in one run.
+"""Weight-only int8 vs the unquantized model's decode throughput on CPU, side by side (alternating) in one run.
 
     python benchmarks/quant.py [--models bench-qwen2-0.5b-shape bench-llama-1b-shape] [--batches 1 2 4 8]
+                               [--dtype auto]
+
+The unquantized model and the int8 model's activations run in ``--dtype``: ``auto`` is the engine's own pick (bf16
+where this CPU has bf16 matmul instructions, else fp32, where bf16 would be emulated).
 
 Each batch size runs ``--batch`` identical-length prompts (``--prompt-len`` random tokens, prefix caching off),
 greedy with ignore_eos for ``--output-len`` tokens; decode tok/s = batch x (output_len - 1) / (time of the run - time
@@ -25,6 +29,7 @@ from common import reference_model, save_results
 from roofline import read_bandwidth
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.worker.cpu.dtype import auto_dtype
 
 
 def weight_bytes_per_step(llm: LLM) -> int:
@@ -57,21 +62,26 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=2, help="alternating runs per system and batch size (best kept)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     args = ap.parse_args()
+    dtype = str(auto_dtype(torch.bfloat16) if args.dtype == "auto" else getattr(torch, args.dtype))
+    base = {"torch.bfloat16": "bf16", "torch.float32": "fp32"}[dtype]
+    print(f"unquantized: {base}")
     bandwidth = read_bandwidth()
     print(f"memory read rate: {bandwidth / 1e9:.1f} GB/s")
     results = []
 
     def save() -> str:  # after every row: a run cut short keeps what it measured
         return save_results("quant", {"device": "cpu", "threads": torch.get_num_threads(),
-                                      "memory_read_gb_s": bandwidth / 1e9, "prompt_len": args.prompt_len,
+                                      "memory_read_gb_s": bandwidth / 1e9, "unquantized_dtype": base,
+                                      "prompt_len": args.prompt_len,
                                       "output_len": args.output_len, "results": results})
 
     for name in args.models:
         path = reference_model(name)
-        llms = {q or "bf16": LLM(path, dtype="bfloat16", quantization=q, enable_prefix_caching=False,
-                                 max_model_len=512, kv_cache_memory=1 << 30) for q in (None, "int8")}
-        vocab = llms["bf16"].llm_engine.config.model_config.vocab_size
+        llms = {q or base: LLM(path, dtype=dtype.removeprefix("torch."), quantization=q, enable_prefix_caching=False,
+                               max_model_len=512, kv_cache_memory=1 << 30) for q in (None, "int8")}
+        vocab = llms[base].llm_engine.config.model_config.vocab_size
         nbytes = {k: weight_bytes_per_step(v) for k, v in llms.items()}
         rng = random.Random(0)
         for batch in args.batches:
@@ -89,10 +99,10 @@ def main() -> None:
                 step = decode / (args.output_len - 1)
                 row[k] = {"decode_tok_s": batch / step, "step_ms": 1e3 * step, "weight_bytes": nbytes[k],
                           "weight_gb_s": nbytes[k] / step / 1e9}
-            row["speedup"] = row["int8"]["decode_tok_s"] / row["bf16"]["decode_tok_s"]
+            row["speedup"] = row["int8"]["decode_tok_s"] / row[base]["decode_tok_s"]
             results.append(row)
-            print(f"{name} batch {batch}: bf16 {row['bf16']['decode_tok_s']:.1f} tok/s "
-                  f"({row['bf16']['weight_gb_s']:.1f} GB/s), int8 {row['int8']['decode_tok_s']:.1f} tok/s "
+            print(f"{name} batch {batch}: {base} {row[base]['decode_tok_s']:.1f} tok/s "
+                  f"({row[base]['weight_gb_s']:.1f} GB/s), int8 {row['int8']['decode_tok_s']:.1f} tok/s "
                   f"({row['int8']['weight_gb_s']:.1f} GB/s): {row['speedup']:.2f}x", flush=True)
             save()
         for llm in llms.values():

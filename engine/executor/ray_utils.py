@@ -35,7 +35,9 @@ def ensure_ray(address: str | None = None) -> None:
         address = address or os.environ.get("RAY_ADDRESS")
         for key, value in WORKER_NICENESS_ENV.items():  # read by a raylet started here; no effect on a joined one
             os.environ.setdefault(key, value)
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
+        # "local": a new instance, never one some other process left on this host (ray.init's default joins that,
+        # or fails where it finds several).
+        ray.init(address=address or "local", ignore_reinit_error=True, log_to_driver=False,
                  **({} if address else {"include_dashboard": False}))
 
 

@@ -114,9 +114,18 @@ async def _scale_under_load(srv: ServerThread) -> tuple[list[tuple[int, list[int
                 for t in done:
                     t.result()
 
-        async def scale(n: int, **body) -> dict:
-            while len(results) < 8:  # streams are flowing (and some are mid-way) when the change starts
+        async def until(count: int, timeout: float = 240.0) -> None:
+            """Until ``count`` streams have ended; a failed stream (the loader's error) or a stall fails the test."""
+            deadline = asyncio.get_running_loop().time() + timeout
+            while len(results) < count:
+                if loader.done():
+                    loader.result()
+                    raise AssertionError("the load stopped early")
+                assert asyncio.get_running_loop().time() < deadline, f"{len(results)} of {count} streams ended"
                 await asyncio.sleep(0.05)
+
+        async def scale(n: int, **body) -> dict:
+            await until(8)  # streams are flowing (and some are mid-way) when the change starts
             r = await http.post("/scale_elastic_ep", json={"new_data_parallel_size": n, **body})
             assert r.status_code == 200, r.text
             assert (await client.model_info()).data_parallel_size == n
@@ -136,9 +145,7 @@ async def _scale_under_load(srv: ServerThread) -> tuple[list[tuple[int, list[int
         bad = [await http.post("/scale_elastic_ep", json=body) for body in
                ({"new_data_parallel_size": 0}, {"new_data_parallel_size": "two"}, {})]
         assert [r.status_code for r in bad] == [400, 400, 400], [r.text for r in bad]
-        n = len(results)
-        while len(results) < n + CONCURRENCY:  # a full round more on the new replica set
-            await asyncio.sleep(0.1)
+        await until(len(results) + CONCURRENCY)  # a full round more on the new replica set
         stop.set()
         await loader
         for _ in range(30):  # /metrics serves a snapshot of the engines' series at most a second old

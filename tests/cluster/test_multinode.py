@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def main(model_dir: str) -> None:
     import asyncio
@@ -110,6 +112,7 @@ def policies(model_dir: str) -> None:
     print("REPORT " + json.dumps(report))
 
 
+@pytest.mark.timeout(660)  # past its own subprocess's timeout, which names what hung
 def test_each_routing_policy_with_a_replica_on_each_node(model_factory, llama_dir):
     proc = subprocess.run([sys.executable, "-m", "pagedserve.tests.cluster.test_multinode", "policies", llama_dir],
                           capture_output=True, text=True, timeout=600)

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+
+from pagedserve.tests.server_thread import free_port
 
 SCRIPT = textwrap.dedent("""
     import json, logging, os, signal, threading, time
@@ -49,3 +53,23 @@ def test_a_head_killed_while_starting_is_started_again():
     assert len(result["warnings"]) == 1
     assert "exited with -9 while starting" in result["warnings"][0]
     assert "starting it again" in result["warnings"][0]
+
+
+
+def test_without_an_address_ray_starts_its_own_instance_despite_a_stale_address_file():
+    """`generate -tp 2` or `LLM(tensor_parallel_size=2)` with no address start a Ray of their own. ray.init's
+    default would join the instance named in <ray temp dir>/ray_current_cluster, which `ray start` and
+    `ray.cluster_utils.Cluster` write and a killed run leaves behind: here it names a port nothing listens on."""
+    temp = tempfile.mkdtemp(prefix="psr", dir="/tmp")  # short: Ray's socket paths have a length limit
+    try:
+        os.makedirs(os.path.join(temp, "ray"))
+        with open(os.path.join(temp, "ray", "ray_current_cluster"), "w") as f:
+            f.write(f"127.0.0.1:{free_port()}")
+        script = ("import ray; from pagedserve.engine.executor.ray_utils import ensure_ray; ensure_ray(); "
+                  "print('answer', ray.get(ray.remote(lambda: 6 * 7).remote())); ray.shutdown()")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": temp}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip().splitlines()[-1] == "answer 42"
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
