@@ -216,9 +216,10 @@ def test_panel_gemm_rows_do_not_depend_on_the_batch():
     w = cpu_gemm.pack_weight(torch.randn(40, 600))
     x = torch.randn(200, 600)
     batched = cpu_gemm.gemm(x, w)
-    for r in (0, 5, 6, 7, 12, 199):
+    for r in (0, 5, 6, 7, 11, 12, 13, 23, 24, 199):  # either side of the 6-row (AVX2) and 12-row (AVX-512) tiles
         assert torch.equal(cpu_gemm.gemm(x[r:r + 1], w), batched[r:r + 1])
     assert torch.equal(cpu_gemm.gemm(x[3:16], w), batched[3:16])
+    assert torch.equal(cpu_gemm.gemm(x[5:30], w), batched[5:30])
 
 
 def test_panel_gemm_takes_batched_shapes_and_zero_rows():
@@ -229,7 +230,9 @@ def test_panel_gemm_takes_batched_shapes_and_zero_rows():
 
 
 def test_panel_gemm_preferred_by_cpu_flags():
-    assert panel_gemm_preferred({"avx2", "fma"}) and not panel_gemm_preferred({"avx2", "fma", "avx512f"})
+    assert panel_gemm_preferred({"avx2", "fma"}) and panel_gemm_preferred({"avx2", "fma", "avx512f"})
+    assert not panel_gemm_preferred({"avx2", "fma", "avx512f", "avx512_bf16"})
+    assert not panel_gemm_preferred({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})
     assert not panel_gemm_preferred({"sse4_2"})
 
 

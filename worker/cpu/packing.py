@@ -2,8 +2,8 @@
 (``packed_linear.py`` runs them).
 
 ``F.linear`` (MKL sgemm) repacks the weight on every call; at decode batch sizes that repacking is a large share of
-the call. fp32 weights go into 16-column panels for ``kernels/cpu_gemm.py`` on AVX2 CPUs without AVX-512 (faster
-than oneDNN's prepacked linear at decode batch sizes there); bf16 weights into k-pair panels for
+the call. fp32 weights go into 16-column panels for ``kernels/cpu_gemm.py`` on AVX2 CPUs and on AVX-512 ones without
+bf16 instructions (:func:`panel_gemm_preferred`); bf16 weights into k-pair panels for
 ``kernels/cpu_gemm_bf16.py`` on CPUs with AVX512-BF16; int8 weights (``quantization="int8"``) into int8 panels
 for ``kernels/cpu_gemm_int8.py``; elsewhere oneDNN's blocked layout (int8 ones: the torch reference). The packed
 weight replaces the plain one (same memory), except where the weight is shared (a tied LM head): that one is kept
@@ -37,10 +37,12 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def panel_gemm_preferred(flags: set[str] | None = None) -> bool:
-    """Whether fp32 linears use the panel GEMM (where the C++ kernels run): an AVX2+FMA CPU without AVX-512
-    (oneDNN's 512-bit kernels were not measured against it)."""
+    """Whether fp32 linears use the panel GEMM (where the C++ kernels run), and so the one-call C++ layer: an AVX2+FMA
+    CPU without AVX-512, or an AVX-512 one without bf16 matmul instructions, where fp32 is what ``dtype="auto"``
+    runs (measured on Cascade Lake: oneDNN's linear is faster from 128 rows, the one-call layer faster end to end).
+    Where bf16 runs natively, fp32 linears keep oneDNN (not measured against the panels there)."""
     flags = cpu_flags() if flags is None else flags
-    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+    return {"avx2", "fma"} <= flags and ("avx512f" not in flags or not flags & {"avx512_bf16", "amx_bf16"})
 
 
 def _panel_kernel(w: torch.Tensor):
