@@ -4,7 +4,7 @@
 // 6 x 16 register tile (12 accumulators of 8 lanes, AVX2's 16 registers) broadcasts six activations per step of k
 // against two weight vectors. On AVX-512 a 12 x 32 tile spans two panels (24 accumulators of 16 lanes, of its 32
 // registers): each broadcast activation serves two weight vectors, so the tile is bound by its FMAs, not by its
-// loads (a one-panel 12 x 16 tile needed a load per FMA and ran at half oneDNN's rate). Threads split the panels
+// loads (a one-panel 12 x 16 tile needed a load per FMA). Threads split the panels
 // (in pairs on AVX-512); each walks its panels in order and, for each block of k (256, or 128 for a pair), runs
 // every row tile of the block while that panel slice (16 KiB) sits in L1. Rows go in blocks of 192 so the
 // activation slice stays in L2. On AVX2 CPUs it beats oneDNN's prepacked linear at decode batch sizes and matches it
