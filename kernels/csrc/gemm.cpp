@@ -4,7 +4,8 @@
 // 6 x 16 register tile (12 accumulators of 8 lanes, AVX2's 16 registers) broadcasts six activations per step of k
 // against two weight vectors. On AVX-512 a 12 x 32 tile spans two panels (24 accumulators of 16 lanes, of its 32
 // registers): each broadcast activation serves two weight vectors, so the tile is bound by its FMAs, not by its
-// loads (a one-panel 12 x 16 tile needed a load per FMA). Threads split the panels
+// loads (a one-panel 12 x 16 tile needed a load per FMA; a 6 x 64 tile over four panels was no faster). There the
+// activations are first packed into [k, 12] tiles. Threads split the panels
 // (in pairs on AVX-512); each walks its panels in order and, for each block of k (256, or 128 for a pair), runs
 // every row tile of the block while that panel slice (16 KiB) sits in L1. Rows go in blocks of 192 so the
 // activation slice stays in L2. On AVX2 CPUs it beats oneDNN's prepacked linear at decode batch sizes and matches it
@@ -15,6 +16,7 @@
 
 #include <array>
 #include <utility>
+#include <vector>
 
 namespace ps {
 
@@ -63,13 +65,14 @@ constexpr TileFn kTiles[kMR + 1] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_ti
                                     gemm_tile<6>};
 
 #ifdef __AVX512F__
-constexpr int64_t kWMR = 12, kWKC = 128;
+constexpr int64_t kWMR = 12, kWNP = 2, kWKC = 128;
 
-// The two-panel tile: y[r][i*16 : i*16 + ncols[i]] (+)= sum_k x[r][k] * p[i*K*16 + k*16 : +16] for rows r < MR and
-// panels i < NP (NP 1 for an odd last panel). As gemm_tile, lane for lane: the same sums in the same order.
+// The two-panel tile: y[r][i*16 : i*16 + ncols[i]] (+)= sum_k x[k][r] * p[i*K*16 + k*16 : +16] for rows r < MR and
+// panels i < NP (NP 1 for an odd last panel), x a packed activation tile [kc, 12]. As gemm_tile, lane for lane: the
+// same sums in the same order.
 template <int MR, int NP>
-inline void gemm_tile_wide(const float* x, int64_t ldx, const float* p, int64_t pstride, int64_t kc, float* y,
-                           int64_t ldy, const int64_t* ncols, bool accumulate, const float* bias, const float* next) {
+inline void gemm_tile_wide(const float* x, const float* p, int64_t pstride, int64_t kc, float* y, int64_t ldy,
+                           const int64_t* ncols, bool accumulate, const float* bias, const float* next) {
   f32x16 a[NP][MR];
   for (int i = 0; i < NP; ++i) {
     f32x16 b = {};
@@ -95,7 +98,7 @@ inline void gemm_tile_wide(const float* x, int64_t ldx, const float* p, int64_t 
     }
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) {
-      const f32x16 xv = (f32x16)_mm512_set1_ps(x[r * ldx + k]);  // one load-broadcast (0 + x cost an add)
+      const f32x16 xv = (f32x16)_mm512_set1_ps(x[k * kWMR + r]);  // one load-broadcast (0 + x cost an add)
       for (int i = 0; i < NP; ++i) a[i][r] += xv * w[i];
     }
   }
@@ -109,14 +112,17 @@ inline void gemm_tile_wide(const float* x, int64_t ldx, const float* p, int64_t 
     }
 }
 
-using WideTileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, const int64_t*,
-                            bool, const float*, const float*);
+using WideTileFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, const int64_t*, bool,
+                            const float*, const float*);
 template <int NP, size_t... MR>
 constexpr std::array<WideTileFn, sizeof...(MR) + 1> wide_tiles(std::index_sequence<MR...>) {
   return {nullptr, gemm_tile_wide<MR + 1, NP>...};
 }
-constexpr std::array<WideTileFn, kWMR + 1> kWideTiles[2] = {wide_tiles<1>(std::make_index_sequence<kWMR>()),
-                                                            wide_tiles<2>(std::make_index_sequence<kWMR>())};
+template <size_t... NP>
+constexpr std::array<std::array<WideTileFn, kWMR + 1>, sizeof...(NP)> all_wide_tiles(std::index_sequence<NP...>) {
+  return {wide_tiles<NP + 1>(std::make_index_sequence<kWMR>())...};
+}
+constexpr auto kWideTiles = all_wide_tiles(std::make_index_sequence<kWNP>());
 #endif
 
 // x [M, K] (rows may be strided), packed [P, K, 16], bias [N] or empty, out [M, N] contiguous.
@@ -134,24 +140,44 @@ void gemm_packed(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torc
   float* yp = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
 #ifdef __AVX512F__
-  const int64_t pairs = (P + 1) / 2;
+  // Each block of rows is first packed as tiles [k block][row tile][kc][12], so a tile's broadcasts read one
+  // contiguous stream at fixed offsets (from 12 strided rows, the compiler ran out of registers for their pointers).
+  const int64_t groups = (P + kWNP - 1) / kWNP, kblocks = (K + kWKC - 1) / kWKC;
+  thread_local std::vector<float> packed_x;
   for (int64_t m0 = 0; m0 < M; m0 += kMC) {
-    const int64_t m1 = std::min(M, m0 + kMC);
-    parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    const int64_t m1 = std::min(M, m0 + kMC), tiles = (m1 - m0 + kWMR - 1) / kWMR;
+    packed_x.resize(kblocks * tiles * kWMR * kWKC);
+    float* ax = packed_x.data();
+    const auto tile_at = [&](int64_t kb, int64_t t) { return ax + (kb * tiles + t) * kWMR * kWKC; };
+    parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t m = m0 + t * kWMR, mr = std::min(kWMR, m1 - m);
+        for (int64_t kb = 0; kb < kblocks; ++kb) {
+          const int64_t k0 = kb * kWKC, kc = std::min(kWKC, K - k0);
+          float* dst = tile_at(kb, t);
+          for (int64_t r = 0; r < mr; ++r) {
+            const float* src = xp + (m + r) * ldx + k0;
+            for (int64_t k = 0; k < kc; ++k) dst[k * kWMR + r] = src[k];
+          }
+        }
+      }
+    });
+    parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
-        const int64_t j = 2 * g, np = std::min<int64_t>(2, P - j), n0 = j * kNR;
-        const int64_t ncols[2] = {std::min(kNR, N - n0), np == 2 ? std::min(kNR, N - n0 - kNR) : 0};
-        for (int64_t k0 = 0; k0 < K; k0 += kWKC) {
-          const int64_t kc = std::min(kWKC, K - k0);
+        const int64_t j = kWNP * g, np = std::min<int64_t>(kWNP, P - j), n0 = j * kNR;
+        int64_t ncols[kWNP] = {};
+        for (int64_t i = 0; i < np; ++i) ncols[i] = std::min(kNR, N - n0 - i * kNR);
+        for (int64_t kb = 0; kb < kblocks; ++kb) {
+          const int64_t k0 = kb * kWKC, kc = std::min(kWKC, K - k0);
           const float* p = pp + (j * K + k0) * kNR;
           const float* b = (k0 == 0 && bp != nullptr) ? bp + n0 : nullptr;
-          // As below: the first tile of a shared slice fetches the next one (the next k block, else the next pair).
-          const float* next = k0 + kWKC < K ? p + kWKC * kNR : g + 1 < end ? pp + (j + 2) * K * kNR : nullptr;
-          if (m1 - m0 <= kWMR) next = nullptr;
-          for (int64_t m = m0; m < m1; m += kWMR) {
-            const int64_t mr = std::min(kWMR, m1 - m);
-            kWideTiles[np - 1][mr](xp + m * ldx + k0, ldx, p, K * kNR, kc, yp + m * N + n0, N, ncols, k0 > 0, b,
-                                   m == m0 ? next : nullptr);
+          // As below: the first tile of a shared slice fetches the next one (the next k block, else the next group).
+          const float* next = k0 + kWKC < K ? p + kWKC * kNR : g + 1 < end ? pp + (j + kWNP) * K * kNR : nullptr;
+          if (tiles == 1) next = nullptr;
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t m = m0 + t * kWMR, mr = std::min(kWMR, m1 - m);
+            kWideTiles[np - 1][mr](tile_at(kb, t), p, K * kNR, kc, yp + m * N + n0, N, ncols, k0 > 0, b,
+                                   t == 0 ? next : nullptr);
           }
         }
       }
