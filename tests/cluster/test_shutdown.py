@@ -14,6 +14,7 @@ import time
 import grpc
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.cluster.client import Client
 from pagedserve.tests.server_thread import free_port
@@ -81,12 +82,17 @@ def test_signal_drains_and_leaves_nothing(served, target, sig):
             tokens = [len(next(stream).completions[0].token_ids)]
             rest = threading.Thread(target=lambda: tokens.extend(len(r.completions[0].token_ids) for r in stream))
             rest.start()
+            # Watch, not polling: the server pushes NOT_SERVING when it starts to drain, and a short drain on a fast
+            # host can end (and the process exit) between two polls.
+            watch = health_pb2_grpc.HealthStub(c.channel).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                                  timeout=DRAIN_TIMEOUT)
+            assert _status(next(watch)) == "SERVING"
             sent = time.monotonic()
             if target == "group":
                 os.killpg(proc.pid, sig)
             else:
                 proc.send_signal(sig)
-            c.wait_for_health("NOT_SERVING", 10, check=lambda: _alive(server))
+            assert _status(next(watch)) == "NOT_SERVING", server.stderr_tail()
             with pytest.raises(grpc.RpcError) as err:
                 c.generate("def", max_tokens=2)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -106,3 +112,7 @@ def test_signal_drains_and_leaves_nothing(served, target, sig):
 
 def _alive(server: Served) -> None:
     assert server.proc.poll() is None, server.stderr_tail()
+
+
+def _status(resp: health_pb2.HealthCheckResponse) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
