@@ -15,6 +15,7 @@
 #include "gemm.h"
 
 #include <array>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -90,18 +91,23 @@ inline void gemm_tile_wide(const float* x, const float* p, int64_t pstride, int6
       a[i][r] = load16(t);
     }
   }
-  for (int64_t k = 0; k < kc; ++k) {
-    f32x16 w[NP];
-    for (int i = 0; i < NP; ++i) {
-      if (next != nullptr) __builtin_prefetch(next + i * pstride + k * kNR, 0, 3);
-      w[i] = load16(p + i * pstride + k * kNR);
-    }
+  // Two copies of the loop, with and without the prefetch: a test of `next` in the loop cost a branch per k.
+  // The prefetch goes to L2 (T1): into L1 it evicted the slice the other tiles of this block still read.
+  const auto steps = [&](auto prefetch) {
+    for (int64_t k = 0; k < kc; ++k) {
+      f32x16 w[NP];
+      for (int i = 0; i < NP; ++i) {
+        if constexpr (decltype(prefetch)::value) __builtin_prefetch(next + i * pstride + k * kNR, 0, 2);
+        w[i] = load16(p + i * pstride + k * kNR);
+      }
 #pragma GCC unroll 12
-    for (int r = 0; r < MR; ++r) {
-      const f32x16 xv = (f32x16)_mm512_set1_ps(x[k * kWMR + r]);  // one load-broadcast (0 + x cost an add)
-      for (int i = 0; i < NP; ++i) a[i][r] += xv * w[i];
+      for (int r = 0; r < MR; ++r) {
+        const f32x16 xv = (f32x16)_mm512_set1_ps(x[k * kWMR + r]);  // one load-broadcast (0 + x cost an add)
+        for (int i = 0; i < NP; ++i) a[i][r] += xv * w[i];
+      }
     }
-  }
+  };
+  if (next != nullptr) steps(std::true_type{}); else steps(std::false_type{});
   for (int i = 0; i < NP; ++i)
     for (int r = 0; r < MR; ++r) {
       float* yr = y + r * ldy + i * kNR;
