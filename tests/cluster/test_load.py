@@ -22,6 +22,7 @@ from pagedserve.kernels import cpu_gemm_bf16
 from pagedserve.tests.server_thread import ServerThread
 
 STREAMS = 1200
+LIMIT = 50  # --max-concurrent-requests of the refusal test
 PROMPTS = [f"def load_{i}(x):" for i in range(24)]
 
 
@@ -124,25 +125,45 @@ def test_rounds_of_1200_streams_with_cancels_and_deadlines(ray_cluster, llama_di
 
 
 def test_over_the_concurrency_limit_is_resource_exhausted_at_once(ray_cluster, llama_dir, expected):
-    srv = ServerThread(EngineArgs(model=llama_dir, seed=0), max_concurrent_requests=50).start()
+    """LIMIT long streams are held at the gateway (one sequence a step, so they queue in the engine for seconds on
+    any host; a burst of short requests can end faster than it arrives on a fast one and never reach the limit).
+    Requests beyond it are refused at once; once the held ones are cancelled, requests run again, token-exact."""
+    srv = ServerThread(EngineArgs(model=llama_dir, seed=0, max_num_seqs=1), max_concurrent_requests=LIMIT).start()
     try:
         async def run():
             async with AsyncClient(srv.target) as client:
+                held = [client.stream(PROMPTS[i % len(PROMPTS)], max_tokens=200, temperature=0.0, ignore_eos=True)
+                        for i in range(LIMIT)]
+                deadline = time.monotonic() + 30
+                while True:
+                    info = await client.model_info()
+                    if info.num_running_requests + info.num_waiting_requests == LIMIT:
+                        break
+                    assert time.monotonic() < deadline, info
+                    await asyncio.sleep(0.05)
                 rng = random.Random(7)
-                return await asyncio.gather(*[_one(client, PROMPTS[i % len(PROMPTS)], 8, "plain", rng)
-                                              for i in range(300)])
+                t0 = time.monotonic()
+                extra = [asyncio.ensure_future(_one(client, PROMPTS[i % len(PROMPTS)], 8, "plain", rng))
+                         for i in range(LIMIT)]
+                done, _ = await asyncio.wait(extra, timeout=10, return_when=asyncio.ALL_COMPLETED)
+                refused_in = time.monotonic() - t0
+                ended_held = sum(call.done() for call in held)
+                for call in held:
+                    call.cancel()
+                results = await asyncio.gather(*extra)
+                after = await _one(client, PROMPTS[0], 8, "plain", rng)
+                return results, refused_in, len(done), ended_held, after
 
-        t0 = time.monotonic()
-        results = asyncio.run(run())
+        results, refused_in, num_done, ended_held, after = asyncio.run(run())
         codes = [s for s, _ in results]
-        assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}, set(codes)
-        assert 50 <= codes.count("OK") < 300
+        refused = codes.count("RESOURCE_EXHAUSTED")
+        assert refused + codes.count("OK") == LIMIT, codes
+        # A slot frees only when a held stream ends; each extra that got one queues behind them and is not done.
+        assert LIMIT - refused <= ended_held and refused >= LIMIT // 2, (refused, ended_held)
+        assert num_done >= refused and refused_in < 10
         for i, (status, tokens) in enumerate(results):
-            if status == "OK":
-                assert tokens == expected[(PROMPTS[i % len(PROMPTS)], 8)]
-            else:
-                assert tokens == []
-        assert time.monotonic() - t0 < 60
+            assert tokens == (expected[(PROMPTS[i % len(PROMPTS)], 8)] if status == "OK" else [])
+        assert after == ("OK", expected[(PROMPTS[0], 8)])
         _wait_idle(srv)
     finally:
         srv.stop()
