@@ -126,13 +126,22 @@ async def _scale_under_load(srv: ServerThread) -> tuple[list[tuple[int, list[int
 
         async def scale(n: int, **body) -> dict:
             await until(8)  # streams are flowing (and some are mid-way) when the change starts
-            r = await http.post("/scale_elastic_ep", json={"new_data_parallel_size": n, **body})
+            change = asyncio.ensure_future(http.post("/scale_elastic_ep", json={"new_data_parallel_size": n, **body}))
+            while not change.done():  # vLLM's status route, by GET and by POST
+                method = http.get if len(scaling) % 2 else http.post
+                scaling.append((await method("/is_scaling_elastic_ep")).json()["is_scaling_elastic_ep"])
+                await asyncio.sleep(0.05)
+            r = await change
             assert r.status_code == 200, r.text
             assert (await client.model_info()).data_parallel_size == n
+            assert (await http.get("/is_scaling_elastic_ep")).json() == {"is_scaling_elastic_ep": False}
             return r.json()
 
         loader = asyncio.create_task(load())
-        steps = [await scale(3), await scale(1, drain_timeout=0)]
+        scaling: list[bool] = []
+        steps = [await scale(3)]
+        assert True in scaling  # starting two replicas takes seconds
+        steps.append(await scale(1, drain_timeout=0))
         # The command line: the same route.
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pagedserve", "scale", "--server", srv.http_url.removeprefix("http://"),

@@ -80,7 +80,10 @@ def add_admin_routes(app: FastAPI, state: ServingState, deps: list[Any], auth: t
         return ScaleResponse(message=f"{result.num_replicas} replicas serve {result.model}",
                              **dataclasses.asdict(result))
 
-    @app.api_route("/is_scaling_elastic_ep", methods=["GET", "POST"], dependencies=deps,
-                   response_model=ScalingStatus, responses=error_statuses(*auth))
     async def is_scaling_elastic_ep() -> ScalingStatus:
         return ScalingStatus(is_scaling_elastic_ep=state.scaler is not None and state.scaler.is_scaling)
+
+    for method in ("GET", "POST"):  # one route each: one OpenAPI operation id each
+        app.add_api_route("/is_scaling_elastic_ep", is_scaling_elastic_ep, methods=[method], dependencies=deps,
+                          response_model=ScalingStatus, responses=error_statuses(*auth),
+                          operation_id=f"is_scaling_elastic_ep_{method.lower()}")
