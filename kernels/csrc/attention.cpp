@@ -264,12 +264,16 @@ void paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v
   const int64_t n = int64_t(items.size()), parts = std::min<int64_t>(kernel_threads(), n);
   std::atomic<int64_t> next{0};
   auto run = [&](auto* q, auto* kc, auto* vc, auto* o) {
+    AttnShape loaded = sh;  // attend_item's load8 reads an fp8 cache's values divided by fp8_unit
+    const float unit = fp8_unit<std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>>();
+    loaded.scale *= unit;
+    loaded.v_scale *= unit;
     run_parallel(parts, [&] {
       for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
         const AttnItem& it = items[order[k]];
         const bool bf16_item = bf16_kernel && (sh.window == 0 || (it.r0 == 0 && it.r1 == 1 && it.h1 - it.h0 == sh.Hkv));
         if (!(bf16_item && attend_bf16_if(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, sh, split)))
-          attend_item(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, sh, split);
+          attend_item(q, kc, vc, o, bt + it.seq * sh.max_blocks, it, loaded, split);
       }
     });
   };
