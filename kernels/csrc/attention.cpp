@@ -84,7 +84,7 @@ inline void chunk_rows(const T* cache, const int32_t* table, int64_t t0, int64_t
 template <typename T, typename C>
 void attend_item(const T* q, const C* kc, const C* vc, T* out, const int32_t* table, const AttnItem& it,
                  const AttnShape& sh, const DecodeParts& split) {
-  thread_local std::vector<float> qf, S, acc, sums, top;
+  thread_local std::vector<float> qf, S, acc, sums, top, wide;
   thread_local std::vector<C> zero;
   const int64_t nr = it.r1 - it.r0, nh = it.h1 - it.h0, G = sh.G, D = sh.D;
   const int64_t nq = nr * nh * G;               // query vectors, ordered (row, KV head, group member)
@@ -112,18 +112,36 @@ void attend_item(const T* q, const C* kc, const C* vc, T* out, const int32_t* ta
   auto rows_end = [&](int64_t t0) {
     return sh.window > 0 ? std::min<int64_t>(nr, t0 + kChunk + sh.window - 1 - lag) : nr;
   };
+  // body(r, h): the chunk's rows r[j], head h + hh at r[j] + (h + hh) * D. A tile of several query rows reads
+  // each row once per query row: an fp8 or bf16 chunk is widened once into `wide` for them.
   const C* rows[kChunk];
-  const C* hr[kChunk];
-  for (int64_t t0 = k0; t0 < L; t0 += kChunk) {
-    chunk_rows(kc, table, t0, L, sh, zero.data(), rows);
-    for (int64_t i = std::max<int64_t>(0, t0 - lag), ie = rows_end(t0); i < ie; ++i)
-      for (int64_t hh = 0; hh < nh; ++hh) {
-        for (int j = 0; j < kChunk; ++j) hr[j] = rows[j] + (it.h0 + hh) * D;
-        const int64_t base = (i * nh + hh) * G;
-        for (int64_t g = 0; g < G; ++g)
-          dot8(qf.data() + (base + g) * D, hr, D, S.data() + (base + g) * Lp + t0 - k0);
+  auto for_chunk = [&](const C* cache, int64_t t0, auto&& body) {
+    chunk_rows(cache, table, t0, L, sh, zero.data(), rows);
+    if constexpr (!std::is_same_v<C, float>) {
+      if (nr > 1) {
+        wide.resize(kChunk * nh * D);
+        const float* wr[kChunk];
+        for (int j = 0; j < kChunk; ++j) {
+          float* w = wide.data() + j * nh * D;
+          for (int64_t e = 0; e < nh * D; e += 8) store8(w + e, load8(rows[j] + it.h0 * D + e));
+          wr[j] = w;
+        }
+        return body(wr, int64_t(0));
       }
-  }
+    }
+    body(rows, it.h0);
+  };
+  for (int64_t t0 = k0; t0 < L; t0 += kChunk)
+    for_chunk(kc, t0, [&](const auto* const* r, int64_t h) {
+      std::remove_cv_t<std::remove_reference_t<decltype(r[0])>> hr[kChunk];
+      for (int64_t i = std::max<int64_t>(0, t0 - lag), ie = rows_end(t0); i < ie; ++i)
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          for (int j = 0; j < kChunk; ++j) hr[j] = r[j] + (h + hh) * D;
+          const int64_t base = (i * nh + hh) * G;
+          for (int64_t g = 0; g < G; ++g)
+            dot8(qf.data() + (base + g) * D, hr, D, S.data() + (base + g) * Lp + t0 - k0);
+        }
+    });
   for (int64_t i = 0; i < nr; ++i) {
     const int64_t lo = std::max(sh.first_key(lag + i), k0) - k0, hi = std::min(lag + i + 1, L) - k0;
     for (int64_t j = 0; j < nh * G; ++j) {
@@ -135,16 +153,17 @@ void attend_item(const T* q, const C* kc, const C* vc, T* out, const int32_t* ta
       std::fill(s + hi, s + Lp, 0.f);  // keys past the row's position
     }
   }
-  for (int64_t t0 = k0; t0 < L; t0 += kChunk) {
-    chunk_rows(vc, table, t0, L, sh, zero.data(), rows);
-    for (int64_t i = std::max<int64_t>(0, t0 - lag), ie = rows_end(t0); i < ie; ++i)
-      for (int64_t hh = 0; hh < nh; ++hh) {
-        for (int j = 0; j < kChunk; ++j) hr[j] = rows[j] + (it.h0 + hh) * D;
-        const int64_t base = (i * nh + hh) * G;
-        for (int64_t g = 0; g < G; ++g)
-          axpy8(acc.data() + (base + g) * D, S.data() + (base + g) * Lp + t0 - k0, hr, D);
-      }
-  }
+  for (int64_t t0 = k0; t0 < L; t0 += kChunk)
+    for_chunk(vc, t0, [&](const auto* const* r, int64_t h) {
+      std::remove_cv_t<std::remove_reference_t<decltype(r[0])>> hr[kChunk];
+      for (int64_t i = std::max<int64_t>(0, t0 - lag), ie = rows_end(t0); i < ie; ++i)
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          for (int j = 0; j < kChunk; ++j) hr[j] = r[j] + (h + hh) * D;
+          const int64_t base = (i * nh + hh) * G;
+          for (int64_t g = 0; g < G; ++g)
+            axpy8(acc.data() + (base + g) * D, S.data() + (base + g) * Lp + t0 - k0, hr, D);
+        }
+    });
   if (part) {  // query vector qi is head qi here
     float* p = split.scratch + it.slot * split.stride;
     std::copy(top.begin(), top.begin() + nq, p);
