@@ -131,17 +131,21 @@ void attend_item(const T* q, const C* kc, const C* vc, T* out, const int32_t* ta
     }
     body(rows, it.h0);
   };
-  for (int64_t t0 = k0; t0 < L; t0 += kChunk)
-    for_chunk(kc, t0, [&](const auto* const* r, int64_t h) {
-      std::remove_cv_t<std::remove_reference_t<decltype(r[0])>> hr[kChunk];
-      for (int64_t i = std::max<int64_t>(0, t0 - lag), ie = rows_end(t0); i < ie; ++i)
-        for (int64_t hh = 0; hh < nh; ++hh) {
-          for (int j = 0; j < kChunk; ++j) hr[j] = r[j] + (h + hh) * D;
-          const int64_t base = (i * nh + hh) * G;
-          for (int64_t g = 0; g < G; ++g)
-            dot8(qf.data() + (base + g) * D, hr, D, S.data() + (base + g) * Lp + t0 - k0);
-        }
-    });
+  // op(qi, t, hr): query vector qi against the chunk's rows hr[0..7] of its head, keys from k0 + t.
+  auto over_keys = [&](const C* cache, auto&& op) {
+    for (int64_t t0 = k0; t0 < L; t0 += kChunk)
+      for_chunk(cache, t0, [&](const auto* const* r, int64_t h) {
+        std::remove_cv_t<std::remove_reference_t<decltype(r[0])>> hr[kChunk];
+        for (int64_t i = std::max<int64_t>(0, t0 - lag), ie = rows_end(t0); i < ie; ++i)
+          for (int64_t hh = 0; hh < nh; ++hh) {
+            for (int j = 0; j < kChunk; ++j) hr[j] = r[j] + (h + hh) * D;
+            for (int64_t g = 0; g < G; ++g) op((i * nh + hh) * G + g, t0 - k0, hr);
+          }
+      });
+  };
+  over_keys(kc, [&](int64_t qi, int64_t t, const auto* hr) {
+    dot8(qf.data() + qi * D, hr, D, S.data() + qi * Lp + t);
+  });
   for (int64_t i = 0; i < nr; ++i) {
     const int64_t lo = std::max(sh.first_key(lag + i), k0) - k0, hi = std::min(lag + i + 1, L) - k0;
     for (int64_t j = 0; j < nh * G; ++j) {
@@ -153,17 +157,9 @@ void attend_item(const T* q, const C* kc, const C* vc, T* out, const int32_t* ta
       std::fill(s + hi, s + Lp, 0.f);  // keys past the row's position
     }
   }
-  for (int64_t t0 = k0; t0 < L; t0 += kChunk)
-    for_chunk(vc, t0, [&](const auto* const* r, int64_t h) {
-      std::remove_cv_t<std::remove_reference_t<decltype(r[0])>> hr[kChunk];
-      for (int64_t i = std::max<int64_t>(0, t0 - lag), ie = rows_end(t0); i < ie; ++i)
-        for (int64_t hh = 0; hh < nh; ++hh) {
-          for (int j = 0; j < kChunk; ++j) hr[j] = r[j] + (h + hh) * D;
-          const int64_t base = (i * nh + hh) * G;
-          for (int64_t g = 0; g < G; ++g)
-            axpy8(acc.data() + (base + g) * D, S.data() + (base + g) * Lp + t0 - k0, hr, D);
-        }
-    });
+  over_keys(vc, [&](int64_t qi, int64_t t, const auto* hr) {
+    axpy8(acc.data() + qi * D, S.data() + qi * Lp + t, hr, D);
+  });
   if (part) {  // query vector qi is head qi here
     float* p = split.scratch + it.slot * split.stride;
     std::copy(top.begin(), top.begin() + nq, p);
