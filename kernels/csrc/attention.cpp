@@ -47,6 +47,58 @@ inline void axpy8(float* acc, const float* p, const T* const* v, int64_t D) {
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX2__)
+// dot8 and axpy8 on 16 lanes, for head sizes that are a multiple of 16: an fp8 row widens 16 bytes per conversion
+// (fewer instructions per element than 8), and a decode row over an fp8 cache is bound by its widening.
+template <typename T>
+inline void dot16(const float* q, const T* const* k, int64_t D, float* out) {
+  f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
+  for (int64_t d = 0; d < D; d += 16) {
+    const f32x16 qv = load16(q + d);
+    a0 += qv * load16(k[0] + d); a1 += qv * load16(k[1] + d); a2 += qv * load16(k[2] + d);
+    a3 += qv * load16(k[3] + d); a4 += qv * load16(k[4] + d); a5 += qv * load16(k[5] + d);
+    a6 += qv * load16(k[6] + d); a7 += qv * load16(k[7] + d);
+  }
+  const auto fold = [](f32x16 v) {
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  };
+  store8(out, transpose_sum(fold(a0), fold(a1), fold(a2), fold(a3), fold(a4), fold(a5), fold(a6), fold(a7)));
+}
+
+template <typename T>
+inline void axpy16(float* acc, const float* p, const T* const* v, int64_t D) {
+  const f32x16 p0 = (f32x16)_mm512_set1_ps(p[0]), p1 = (f32x16)_mm512_set1_ps(p[1]);
+  const f32x16 p2 = (f32x16)_mm512_set1_ps(p[2]), p3 = (f32x16)_mm512_set1_ps(p[3]);
+  const f32x16 p4 = (f32x16)_mm512_set1_ps(p[4]), p5 = (f32x16)_mm512_set1_ps(p[5]);
+  const f32x16 p6 = (f32x16)_mm512_set1_ps(p[6]), p7 = (f32x16)_mm512_set1_ps(p[7]);
+  for (int64_t d = 0; d < D; d += 16) {
+    f32x16 a = load16(acc + d);
+    a += p0 * load16(v[0] + d); a += p1 * load16(v[1] + d); a += p2 * load16(v[2] + d); a += p3 * load16(v[3] + d);
+    a += p4 * load16(v[4] + d); a += p5 * load16(v[5] + d); a += p6 * load16(v[6] + d); a += p7 * load16(v[7] + d);
+    store16(acc + d, a);
+  }
+}
+#define PS_ATTN16 1
+#else
+#define PS_ATTN16 0
+#endif
+
+template <typename T>
+inline void dot_chunk(const float* q, const T* const* k, int64_t D, float* out) {
+#if PS_ATTN16
+  if (D % 16 == 0) return dot16(q, k, D, out);
+#endif
+  dot8(q, k, D, out);
+}
+template <typename T>
+inline void axpy_chunk(float* acc, const float* p, const T* const* v, int64_t D) {
+#if PS_ATTN16
+  if (D % 16 == 0) return axpy16(acc, p, v, D);
+#endif
+  axpy8(acc, p, v, D);
+}
+
 // exp(s - max) in place over s[0:n]; returns their sum (the normalization is applied to the output), and the max
 // in *max_out.
 inline float softmax_unnormalized(float* s, int64_t n, float* max_out) {
@@ -73,9 +125,12 @@ inline float softmax_unnormalized(float* s, int64_t n, float* max_out) {
 template <typename T>
 inline void chunk_rows(const T* cache, const int32_t* table, int64_t t0, int64_t L, const AttnShape& sh,
                        const T* zero, const T** rows) {
+  // One division per chunk, not per key: a 64-bit division cost as much as widening a key's fp8 row.
+  int64_t blk = t0 / sh.bs, off = t0 % sh.bs;
+  const T* base = cache + table[blk] * sh.blk_stride;
   for (int j = 0; j < kChunk; ++j) {
-    const int64_t t = t0 + j;
-    rows[j] = t < L ? cache + table[t / sh.bs] * sh.blk_stride + (t % sh.bs) * sh.tok_stride : zero;
+    rows[j] = t0 + j < L ? base + off * sh.tok_stride : zero;
+    if (++off == sh.bs && t0 + j + 1 < L) { off = 0; base = cache + table[++blk] * sh.blk_stride; }
   }
 }
 
@@ -123,7 +178,11 @@ void attend_item(const T* q, const C* kc, const C* vc, T* out, const int32_t* ta
         const float* wr[kChunk];
         for (int j = 0; j < kChunk; ++j) {
           float* w = wide.data() + j * nh * D;
-          for (int64_t e = 0; e < nh * D; e += 8) store8(w + e, load8(rows[j] + it.h0 * D + e));
+          int64_t e = 0;
+#if PS_ATTN16
+          for (; e + 16 <= nh * D; e += 16) store16(w + e, load16(rows[j] + it.h0 * D + e));
+#endif
+          for (; e < nh * D; e += 8) store8(w + e, load8(rows[j] + it.h0 * D + e));
           wr[j] = w;
         }
         return body(wr, int64_t(0));
@@ -144,7 +203,7 @@ void attend_item(const T* q, const C* kc, const C* vc, T* out, const int32_t* ta
       });
   };
   over_keys(kc, [&](int64_t qi, int64_t t, const auto* hr) {
-    dot8(qf.data() + qi * D, hr, D, S.data() + qi * Lp + t);
+    dot_chunk(qf.data() + qi * D, hr, D, S.data() + qi * Lp + t);
   });
   for (int64_t i = 0; i < nr; ++i) {
     const int64_t lo = std::max(sh.first_key(lag + i), k0) - k0, hi = std::min(lag + i + 1, L) - k0;
@@ -158,7 +217,7 @@ void attend_item(const T* q, const C* kc, const C* vc, T* out, const int32_t* ta
     }
   }
   over_keys(vc, [&](int64_t qi, int64_t t, const auto* hr) {
-    axpy8(acc.data() + qi * D, S.data() + qi * Lp + t, hr, D);
+    axpy_chunk(acc.data() + qi * D, S.data() + qi * Lp + t, hr, D);
   });
   if (part) {  // query vector qi is head qi here
     float* p = split.scratch + it.slot * split.stride;

@@ -86,6 +86,20 @@ template <> constexpr float fp8_unit<fp8_e5m2_t>() { return 1.f; }
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
 inline void store8(bf16_t* p, f32x8 v) { round_bf16<u32x8, u16x8>(p, v); }
 inline f32x16 load16(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof v); return v; }
+#if defined(__AVX512F__) && defined(__AVX2__)
+// widen_fp8 on 16 bytes at once (the same values; half the instructions per element).
+template <int MANT>
+inline f32x16 widen_fp8_16(const uint8_t* p) {
+  constexpr int shift = 10 - MANT;
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                                      shift);
+  const __m256i mask = _mm256_set1_epi16(int16_t(0x8000 | ((1 << (7 + shift)) - 1)));
+  if constexpr (shift == 8) return (f32x16)_mm512_cvtph_ps(h);
+  else return (f32x16)_mm512_cvtph_ps(_mm256_and_si256(h, mask));
+}
+inline f32x16 load16(const fp8_e4m3_t* p) { return widen_fp8_16<3>(&p->bits); }
+inline f32x16 load16(const fp8_e5m2_t* p) { return widen_fp8_16<2>(&p->bits); }
+#endif
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // The same bits as the generic versions below, in one zmm each way: GCC split the generic widening and narrowing

@@ -38,19 +38,20 @@ def test_reference_stores_scaled_saturated_bytes_and_reads_them_back():
 
 
 @pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
-def test_kernel_widens_every_finite_fp8_code_exactly(cache_dtype):
-    """256 one-key sequences whose V rows hold every fp8 code: a one-key softmax is exactly 1, so each output is the
+@pytest.mark.parametrize("d", [8, 16])  # 16: the 16-lane widening, where the CPU has AVX-512
+def test_kernel_widens_every_finite_fp8_code_exactly(cache_dtype, d):
+    """One-key sequences whose V rows hold every fp8 code: a one-key softmax is exactly 1, so each output is the
     code's value times v_scale, bit for bit."""
     codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype)
     finite = torch.isfinite(codes.float())
     codes = torch.where(finite, codes.float(), 0.0).to(cache_dtype)
-    d = 8
-    v_cache = codes.view(32, 1, 1, d)  # 32 blocks of one slot, one head
+    n = 256 // d
+    v_cache = codes.view(n, 1, 1, d)  # n blocks of one slot, one head
     k_cache = torch.zeros_like(v_cache)
-    q = torch.randn(32, 1, d)
-    table = torch.arange(32, dtype=torch.int32).view(32, 1)
-    qsl = torch.arange(33, dtype=torch.int32)
-    seq_lens = torch.ones(32, dtype=torch.int32)
+    q = torch.randn(n, 1, d)
+    table = torch.arange(n, dtype=torch.int32).view(n, 1)
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    seq_lens = torch.ones(n, dtype=torch.int32)
     out = cpu_attention.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, 1.0, v_scale=0.25)
     assert torch.equal(out.view(-1), codes.float() * 0.25)
     assert (codes.float() != 0).sum() > 200 and codes.float().abs().min() == 0
@@ -83,7 +84,7 @@ def test_bf16_kernels_widen_every_finite_fp8_code_exactly(cache_dtype, use_amx):
 
 @pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("gqa,head_size,block_size", [(1, 64, 16), (4, 128, 32), (2, 80, 8)])
+@pytest.mark.parametrize("gqa,head_size,block_size", [(1, 64, 16), (4, 128, 32), (2, 80, 8), (1, 40, 16)])
 def test_cpu_attention_over_fp8_matches_reference(cache_dtype, dtype, gqa, head_size, block_size):
     """Decodes at block edges, a decode long enough to run in parts, chunks after a cached prefix, a fresh prompt."""
     case = fp8_case(cache_dtype, 0.5, 2.0, [1, 1, 1, 20, 45, 1], [15, 16, 1300, 33, 0, 0], gqa, block_size,
