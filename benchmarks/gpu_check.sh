@@ -12,12 +12,13 @@
 # --quick: a few batch sizes and contexts in the kernel sweep, no end-to-end run. --dry-run (CI, no GPU): the same
 # steps' CPU-only parts: the test subsets are collected, not run, the kernel benchmark finds no GPU and says so, the
 # end-to-end run only parses its arguments. PYTHON names the interpreter (default python3). Wheels of packages the
-# machine lacks (llguidance) may be put in .whl/ beside it; they are installed to a temporary site dir, as is a
-# link that makes this checkout importable as `pagedserve` where it is not installed.
+# machine lacks (llguidance) may be put in .whl/ beside it (WHEELS names another dir); they are installed to a
+# temporary site dir, as is a link that makes this checkout importable as `pagedserve` where it is not installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 dest=${OUT:-benchmarks/results/gpu}
+wheels=${WHEELS:-.whl}
 quick=0 dry=0
 for arg in "$@"; do
     case $arg in
@@ -36,17 +37,17 @@ fi
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
 "$py" -c "import pagedserve" 2>/dev/null || ln -s "$PWD" "$site/pagedserve"  # not installed there
-if compgen -G ".whl/*.whl" >/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || exit 1
+if compgen -G "$wheels/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl || exit 1
 fi
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 # The engine imports llguidance (structured output), which the device image lacks: without its wheel every engine
 # test fails to collect, so say so before any device time goes to the rest.
 if ! err=$("$py" -c "import pagedserve.engine.llm" 2>&1); then
     echo "gpu_check: the engine does not import here: ${err##*$'\n'}" >&2
-    echo "gpu_check: put the missing wheels in .whl/ (and carry it), e.g. python3 -m pip download --no-deps" \
+    echo "gpu_check: put the missing wheels in $wheels/ (and carry it), e.g. python3 -m pip download --no-deps" \
         "--only-binary=:all: --python-version 3.12 --implementation cp --abi abi3 --platform manylinux_2_31_x86_64" \
-        "-d .whl llguidance==\$(pip show llguidance | sed -n 's/^Version: //p')" >&2
+        "-d $wheels llguidance==\$(pip show llguidance | sed -n 's/^Version: //p')" >&2
     exit 1
 fi
 

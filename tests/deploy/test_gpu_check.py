@@ -40,9 +40,10 @@ def test_gpu_check_stops_first_when_the_engine_does_not_import(tmp_path):
     shadow.mkdir()
     (shadow / "llguidance.py").write_text("raise ImportError('No module named llguidance')\n")
     out = tmp_path / "out"
-    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, PYTHONPATH=str(shadow))
+    wheels = tmp_path / "wheels"  # none there (a checkout that carried them to a device keeps them in .whl/)
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, PYTHONPATH=str(shadow), WHEELS=str(wheels))
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "does not import here" in proc.stderr and "-d .whl llguidance==" in proc.stderr, proc.stderr
+    assert "does not import here" in proc.stderr and f"-d {wheels} llguidance==" in proc.stderr, proc.stderr
     assert not (out / "gpu-check.log").exists()
