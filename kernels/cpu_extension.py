@@ -6,9 +6,13 @@ to run on torch ops instead.
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
+
+from torch.utils import cpp_extension
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["attention.cpp", "attention_amx.cpp", "attention_bf16.cpp", "fused.cpp", "gemm.cpp", "gemm_bf16.cpp",
@@ -22,6 +26,7 @@ class KernelBuildError(RuntimeError):
     """The C++ kernels did not build; the message names the fallback."""
 
 
+NAME = "pagedserve_cpu_kernels"
 _module: ModuleType | None = None
 _error: KernelBuildError | None = None
 
@@ -34,15 +39,31 @@ def load() -> ModuleType:
         raise _error
     if _module is None:
         try:
-            from torch.utils.cpp_extension import load as build
-
-            _module = build(name="pagedserve_cpu_kernels", sources=[str(CSRC / s) for s in SOURCES],
-                            extra_include_paths=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                            verbose=bool(os.environ.get("PAGEDSERVE_VERBOSE_BUILD")))
+            build_dir = build_directory()
+            os.makedirs(build_dir, exist_ok=True)
+            # torch's loader marks a build with a `lock` file and waits, without end, for it to go: a process
+            # killed mid-build (Ctrl-C on the first start) left every later start hanging. A flock dies with its
+            # holder, so the one holding it knows that any `lock` file left there belongs to a dead build.
+            with open(os.path.join(build_dir, "pagedserve.flock"), "w") as held:
+                fcntl.flock(held, fcntl.LOCK_EX)
+                try:
+                    os.remove(os.path.join(build_dir, "lock"))
+                except FileNotFoundError:
+                    pass
+                _module = cpp_extension.load(
+                    name=NAME, sources=[str(CSRC / s) for s in SOURCES], build_directory=build_dir,
+                    extra_include_paths=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                    verbose=bool(os.environ.get("PAGEDSERVE_VERBOSE_BUILD")))
         except Exception as e:  # a missing compiler or ninja, or a compile error
             _error = KernelBuildError(_message(e))
             raise _error from e
     return _module
+
+
+def build_directory() -> str:
+    """Where the extension is built and cached: torch's own default place for it."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_cpu", NAME)
 
 
 def available() -> bool:
