@@ -61,7 +61,7 @@ def load() -> ModuleType:
 
 
 def build_directory() -> str:
-    """Where the extension is built and cached: torch's own default place for it."""
+    """Where the extension is built and cached: torch's default place for a CPU extension of this name."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     return os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_cpu", NAME)
 
