@@ -27,11 +27,11 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
     return x.double() @ w.double().T + (b.double() if b is not None else 0)
 
 
-# Rows: one tile, a 13-row remainder (7 + 6; AMX: one short tile), past a 240-row block (AMX: 256), two A tiles
-# and a short third; K: whole AMX k steps or not (300, 30, 2); N: partial panels (37: one and a half; 48: the
-# second half of a panel empty) and several panels per thread.
+# Rows: one tile, a 13-row remainder (7 + 6; AMX: one short tile), past a 240-row block (AMX: 256; 128 where K is
+# 3073-6144), two A tiles and a short third; K: whole AMX k steps or not (300, 30, 2); N: partial panels (37: one and
+# a half; 48: the second half of a panel empty) and several panels per thread.
 @pytest.mark.parametrize("m,k,n", [(1, 64, 48), (13, 300, 37), (25, 512, 1536), (251, 1376, 80), (40, 30, 33),
-                                   (3, 2, 5), (300, 96, 64)])
+                                   (3, 2, 5), (300, 96, 64), (300, 3500, 40)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("use_amx", KERNELS)
 def test_matches_float64_matmul(m, k, n, bias, use_amx):
@@ -51,7 +51,7 @@ def test_matches_float64_matmul(m, k, n, bias, use_amx):
     assert (got16 == want.to(torch.bfloat16)).float().mean() > 0.95
 
 
-@pytest.mark.parametrize("k", [640, 650])
+@pytest.mark.parametrize("k", [640, 650, 3500])
 @pytest.mark.parametrize("use_amx", KERNELS)
 def test_rows_do_not_depend_on_the_batch(k, use_amx):
     """Each output is summed in k order whatever tile its row lands in (full or short, read in place or from the
