@@ -28,6 +28,14 @@ struct alignas(64) TileConfig {
   }
 };
 
+// Rows per block of a GEMM on AMX (bf16 activations): 256, or 128 where that makes a block's activations fit in
+// 1.5 MiB of a 2 MiB L2 (each panel is then read twice as often; where even 128 rows do not fit, fewer rows only cost
+// more panel reads).
+inline int64_t amx_block_rows(int64_t K) {
+  const int64_t fit = (int64_t(3) << 19) / (K * int64_t(sizeof(bf16_t)));
+  return fit < 256 && fit >= 128 ? 128 : 256;
+}
+
 // Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per
 // process; refused where the CPU or kernel lacks it.
 inline bool amx_usable() {

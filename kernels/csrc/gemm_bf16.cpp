@@ -86,13 +86,6 @@ void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64
 }
 
 #ifdef PS_AMX
-// Rows per block on AMX: 256, or 128 where that makes a block's activations fit in 1.5 MiB of a 2 MiB L2 (each panel
-// is then read twice as often; where even 128 rows do not fit, fewer rows only cost more panel reads).
-inline int64_t amx_block_rows(int64_t K) {
-  const int64_t fit = (int64_t(3) << 19) / (K * int64_t(sizeof(bf16_t)));
-  return fit < 256 && fit >= 128 ? 128 : 256;
-}
-
 template <typename Out>
 void amx_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64_t K, int64_t P, int64_t N,
              const bf16_t* bp, Out* yp) {

@@ -261,7 +261,7 @@ void amx_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale,
              int64_t K, int64_t P, int64_t N, Out* y) {
   const TileRows a(x, ldx, M, K);
   const TileConfig cfg(M);
-  run_units(M, P, 2 * kAmxR, 256, [&](int64_t m0, int64_t m1, int64_t j, int64_t next) {
+  run_units(M, P, 2 * kAmxR, amx_block_rows(K), [&](int64_t m0, int64_t m1, int64_t j, int64_t next) {
     const int64_t n0 = j * kQNR, ncols = std::min(kQNR, N - n0);
     const Epilogue<bf16_t> ep(scale + n0, bias ? bias + n0 : nullptr, ncols);
     alignas(64) float c[2 * kAmxR][kAmxN];

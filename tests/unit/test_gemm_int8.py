@@ -31,9 +31,10 @@ def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
 
 
 # M from 1 to 64: decode tiles (1..8 rows), remainders split in two, past the 16 rows where bf16 takes vdpbf16ps;
-# N: partial panels, one column, several panels; K: odd, 1, below and past a vector's width.
+# N: partial panels, one column, several panels; K: odd, 1, below and past a vector's width; and 300 rows in AMX
+# blocks of 128 (K 3073-6144).
 @pytest.mark.parametrize("m,k,n", [(1, 17, 33), (2, 1, 5), (3, 64, 31), (8, 129, 100), (9, 96, 1), (13, 300, 37),
-                                   (16, 512, 64), (25, 257, 70), (40, 130, 96), (64, 1376, 80)])
+                                   (16, 512, 64), (25, 257, 70), (40, 130, 96), (64, 1376, 80), (300, 3500, 40)])
 @pytest.mark.parametrize("dtype,use_amx", ACTIVATIONS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_torch_ref(m, k, n, dtype, bias, use_amx):
@@ -54,7 +55,7 @@ def test_matches_torch_ref(m, k, n, dtype, bias, use_amx):
 
 
 @pytest.mark.parametrize("dtype,use_amx", ACTIVATIONS)
-@pytest.mark.parametrize("k", [640, 650])
+@pytest.mark.parametrize("k", [640, 650, 3500])
 def test_rows_do_not_depend_on_the_batch(dtype, use_amx, k):
     """A row's result is bitwise the same alone and in any batch: FMA tiles, and for bf16 from 16 rows vdpbf16ps,
     which adds each k pair's products in the order the FMA path does. On AMX, batches of 4+ rows (AMX tiles) agree
