@@ -26,6 +26,19 @@ def _slow(n: int) -> StructuredOutputsParams:
     })
 
 
+def _slow_enough(engine: LLMEngine, seconds: float = 0.6) -> StructuredOutputsParams:
+    """A grammar that takes the engine's compiler at least about ``seconds`` here: from 2500 integers, doubled while
+    compiling is quicker (a fast CPU took 0.29 s for 2500). The one returned has one more, so it is not cached yet."""
+    n = 2500
+    while n < 20000:
+        c, _ = _compiler(engine).submit(_slow(n))
+        c.future.result()
+        if c.ended - c.started >= seconds:
+            break
+        n *= 2
+    return _slow(n + 1)
+
+
 QUICK = StructuredOutputsParams(choice=["red", "green", "blue"])
 PLAIN = SamplingParams(max_tokens=250, ignore_eos=True, temperature=0.0)
 
@@ -69,10 +82,10 @@ def test_a_repeated_schema_compiles_once(engine):
 
 
 def test_a_slow_grammar_does_not_stall_a_plain_request(engine):
+    slow = _slow_enough(engine)
     engine.add_request("plain", [5, 6, 7], PLAIN, stream=True)
     for _ in range(3):
         engine.step()
-    slow = _slow(2500)
     start = time.monotonic()
     engine.add_request("slow", [5, 6, 8], SamplingParams(max_tokens=8, structured_outputs=slow))
     added = time.monotonic()
