@@ -4,9 +4,10 @@
 //
 // - A decode row (one query position, all heads) scores 16 keys at a time: per key, D / 32 dot-product
 //   instructions on the bf16 row as stored, then one transposing reduction for the 16 keys; each 16-key chunk is
-//   done for all heads while in L1, and rows 32 keys ahead are prefetched: into L1 where the keys in flight fit it,
-//   else into L2 (lines prefetched into a too-small L1 are evicted before use). Softmax is fp32; the value pass
-//   takes two keys per instruction on interleaved V rows with the weights rounded to bf16, as in prefill.
+//   done for all heads while in L1, and rows 32 keys ahead are prefetched: into L1 where the keys in flight fit a
+//   quarter of it, else into L2. Softmax is fp32; the value pass takes two keys per instruction on interleaved V rows
+//   with the weights rounded to bf16, as in prefill. An fp8 row is widened with byte permutes where the CPU has VBMI;
+//   with GQA once per chunk for the group's query heads.
 // - A prefill item is one sequence's rows for one KV head. Its V rows are interleaved once in pairs of keys (the
 //   operand layout of vdpbf16ps); then per tile of 16 query vectors (rows x GQA group) the scores S^T [keys, 16]
 //   come from broadcasting K's element pairs in place against the tile's queries packed as pairs, softmax runs down
@@ -66,9 +67,10 @@ inline float softmax_row(float* s, int64_t n, float* max_out) {
 // (a[8l + i], b[8l + i]) and of `hi` (a[8l + 4 + i], b[8l + 4 + i]), l < 4, i < 4.
 template <typename C>
 inline void interleave(const C* a, const C* b, __m512bh& lo, __m512bh& hi) {
-  const __m512i x = load_row32(a), y = load_row32(b);
-  lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
-  hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+  __m512i x, y;
+  load_pairs32(a, b, x, y);
+  lo = (__m512bh)x;
+  hi = (__m512bh)y;
 }
 
 // dst[0:32] = bf16((lo, hi) * w) with d back in order (the inverse of interleave's order).
@@ -80,12 +82,60 @@ inline void store_interleaved(bf16_t* dst, __m512 lo, __m512 hi, __m512 w) {
   _mm256_storeu_si256((__m256i*)(dst + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(second, w)));
 }
 
-// Whether the decode keys in flight (the chunk in use and 32 keys ahead: 48 rows) fit in L1D; where they do not,
-// L1 prefetches are evicted before use, so prefetch into L2.
+// Whether the decode keys in flight (the chunk in use and 32 keys ahead: 48 rows) fit in a quarter of L1D (the
+// rest holds the scores, the query and the outputs); where they do not, L1 prefetches are evicted before use or
+// crowd out the rest, so prefetch into L2.
 template <typename C>
 inline bool prefetch_to_l1(const AttnShape& sh) {
   static const int64_t l1d = [] { const long n = sysconf(_SC_LEVEL1_DCACHE_SIZE); return n > 0 ? n : 32 << 10; }();
-  return 48 * sh.tok_stride * int64_t(sizeof(C)) <= l1d;
+  return 4 * 48 * sh.tok_stride * int64_t(sizeof(C)) <= l1d;
+}
+
+// s[0:16] = scale x (the query head's elements `qv`) . (16 key rows, each at the head's first element).
+template <int DV, typename R>
+inline void score16(const __m512bh* qv, const R* const* rows, __m512 scale, float* s) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    __m512 x = _mm512_setzero_ps();
+    if constexpr (has_lane_order64<R>() && DV % 2 == 0) {  // qv in lane order (lane_order64)
+      for (int c = 0; c < DV; c += 2) {
+        __m512i w0, w1;
+        widen_lanes64(rows[j] + 32 * c, w0, w1);
+        x = _mm512_dpbf16_ps(_mm512_dpbf16_ps(x, qv[c], (__m512bh)w0), qv[c + 1], (__m512bh)w1);
+      }
+    } else {
+      for (int c = 0; c < DV; ++c) x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)load_row32(rows[j] + 32 * c));
+    }
+    a[j] = x;
+  }
+  _mm512_storeu_ps(s, _mm512_mul_ps(transpose_sum16(a), scale));
+}
+
+// o[0:32 DV] (interleaved order) += the weights of `pairs` pairs of keys (bf16 pairs `pw`) x their value rows
+// (`rows`, each at the head's first element).
+template <int DV, typename R>
+inline void accumulate_values(const int32_t* pw, const R* const* rows, int pairs, float* o) {
+  __m512 a[2 * DV];
+  for (int c = 0; c < 2 * DV; ++c) a[c] = _mm512_loadu_ps(o + 16 * c);
+  for (int u = 0; u < pairs; ++u) {
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[u]);
+    for (int c = 0; c < DV; ++c) {
+      __m512bh lo, hi;
+      interleave(rows[2 * u] + 32 * c, rows[2 * u + 1] + 32 * c, lo, hi);
+      a[2 * c] = _mm512_dpbf16_ps(a[2 * c], w, lo);
+      a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], w, hi);
+    }
+  }
+  for (int c = 0; c < 2 * DV; ++c) _mm512_storeu_ps(o + 16 * c, a[c]);
+}
+
+// Rows `rows[0:n]` (each the full token row of every KV head) widened to bf16 into `out` (n x Hkv x D).
+template <typename C>
+inline void widen_rows(const C* const* rows, int n, const AttnShape& sh, bf16_t* out) {
+  const int64_t width = sh.Hkv * sh.D;
+  for (int j = 0; j < n; ++j)
+    for (int64_t i = 0; i < width; i += 32) _mm512_storeu_si512(out + j * width + i, load_row32(rows[j] + i));
 }
 
 // One query row (`qrow`, every head) against keys [t0, t1) of its sequence, 16 keys at a time (their rows, all
@@ -105,25 +155,46 @@ void decode_range(const bf16_t* qrow, const C* kc, const C* vc, const int32_t* t
   const C* zero = zero_row<C>(sh.tok_stride);
   const int64_t* off = token_offsets(table, t0, t1, Lp - L, sh);
   const __m512 scale = _mm512_set1_ps(sh.scale);
+  // An fp8 chunk read by G > 1 query heads is widened once into `wide`, for all of them; with G = 1 each row is
+  // widened as it is used, 64 elements at a time in lane order (the query permuted to match) where D allows.
+  constexpr bool fp8 = !std::is_same_v<C, bf16_t>;
+  const bool staged = fp8 && G > 1;
+  thread_local std::vector<bf16_t> wide, qlanes;
+  const int64_t width = sh.Hkv * D;
+  if (staged) wide.resize(16 * width);
+  const bf16_t* qsrc = qrow;
+  if (has_lane_order64<C>() && DV % 2 == 0 && !staged) {
+    qlanes.resize(Hq * D);
+    for (int64_t i = 0; i < Hq * D; i += 64) {
+      __m512i w0, w1;
+      lane_order64(qrow + i, w0, w1);
+      _mm512_storeu_si512(&qlanes[i], w0);
+      _mm512_storeu_si512(&qlanes[i + 32], w1);
+    }
+    qsrc = qlanes.data();
+  }
   const C* rows[16];
+  const C* head_rows[16];
+  const bf16_t* wide_rows[16];
   // Rows 32 keys ahead are prefetched while a chunk is scored or summed; the chunk after the first one, here.
   const bool l1 = prefetch_to_l1<C>(sh);
   prefetch_rows(kc, off, 16, L, 0, sh.tok_stride * int64_t(sizeof(C)), l1);
   for (int64_t u0 = 0; u0 < L; u0 += 16) {
     for (int j = 0; j < 16; ++j) rows[j] = off[u0 + j] < 0 ? zero : kc + off[u0 + j];
+    if (staged) widen_rows(rows, 16, sh, wide.data());
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / G;
       if (hq % G == 0) prefetch_rows(kc, off, u0 + 32, L, h * D, D * int64_t(sizeof(C)), l1);
       __m512bh qv[DV];
-      for (int c = 0; c < DV; ++c) qv[c] = load_bh(qrow + hq * D + 32 * c);
-      __m512 a[16];
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {
-        __m512 x = _mm512_setzero_ps();
-        for (int c = 0; c < DV; ++c) x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)load_row32(rows[j] + h * D + 32 * c));
-        a[j] = x;
+      for (int c = 0; c < DV; ++c) qv[c] = load_bh(qsrc + hq * D + 32 * c);
+      float* s = S.data() + hq * Lp + u0;
+      if (staged) {
+        for (int j = 0; j < 16; ++j) wide_rows[j] = wide.data() + j * width + h * D;
+        score16<DV>(qv, wide_rows, scale, s);
+      } else {
+        for (int j = 0; j < 16; ++j) head_rows[j] = rows[j] + h * D;
+        score16<DV>(qv, head_rows, scale, s);
       }
-      _mm512_storeu_ps(S.data() + hq * Lp + u0, _mm512_mul_ps(transpose_sum16(a), scale));
     }
   }
   // Weights rounded to bf16 (as in prefill and torch's reduced-precision attention), zero past L: the value pass
@@ -142,23 +213,18 @@ void decode_range(const bf16_t* qrow, const C* kc, const C* vc, const int32_t* t
   for (int64_t u0 = 0; u0 < L; u0 += 16) {
     const int pairs = int(std::min<int64_t>(16, L - u0) + 1) / 2;
     for (int j = 0; j < 2 * pairs; ++j) rows[j] = off[u0 + j] < 0 ? zero : vc + off[u0 + j];
+    if (staged) widen_rows(rows, 2 * pairs, sh, wide.data());
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / G;
       if (hq % G == 0) prefetch_rows(vc, off, u0 + 32, L, h * D, D * int64_t(sizeof(C)), l1);
       const int32_t* pw = reinterpret_cast<const int32_t*>(P.data() + hq * Lp + u0);
-      float* o = acc + hq * D;
-      __m512 a[2 * DV];
-      for (int c = 0; c < 2 * DV; ++c) a[c] = _mm512_loadu_ps(o + 16 * c);
-      for (int u = 0; u < pairs; ++u) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[u]);
-        for (int c = 0; c < DV; ++c) {
-          __m512bh lo, hi;
-          interleave(rows[2 * u] + h * D + 32 * c, rows[2 * u + 1] + h * D + 32 * c, lo, hi);
-          a[2 * c] = _mm512_dpbf16_ps(a[2 * c], w, lo);
-          a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], w, hi);
-        }
+      if (staged) {
+        for (int j = 0; j < 2 * pairs; ++j) wide_rows[j] = wide.data() + j * width + h * D;
+        accumulate_values<DV>(pw, wide_rows, pairs, acc + hq * D);
+      } else {
+        for (int j = 0; j < 2 * pairs; ++j) head_rows[j] = rows[j] + h * D;
+        accumulate_values<DV>(pw, head_rows, pairs, acc + hq * D);
       }
-      for (int c = 0; c < 2 * DV; ++c) _mm512_storeu_ps(o + 16 * c, a[c]);
     }
   }
 }

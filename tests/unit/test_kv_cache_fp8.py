@@ -60,25 +60,27 @@ def test_kernel_widens_every_finite_fp8_code_exactly(cache_dtype, d):
 @pytest.mark.parametrize("use_amx", [pytest.param(False, id="avx512"), pytest.param(
     True, id="amx", marks=pytest.mark.skipif(not cpu_gemm_bf16.amx(), reason="no AMX"))])
 @pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
-def test_bf16_kernels_widen_every_finite_fp8_code_exactly(cache_dtype, use_amx):
+@pytest.mark.parametrize("d,gqa", [(32, 1), (64, 2)])  # 2: a decode widens each chunk once for both query heads
+def test_bf16_kernels_widen_every_finite_fp8_code_exactly(cache_dtype, use_amx, d, gqa):
     """bf16 queries over an fp8 cache take the bf16 kernels, which widen the cache rows to bf16: every finite code,
-    as V rows of 32 codes, comes out exactly (times v_scale) from a decode row and from a prefill's first row (each
+    as V rows of d codes, comes out exactly (times v_scale) from a decode row and from a prefill's first row (each
     the only key its row sees, so its weight is exactly 1)."""
     codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype)
     codes = torch.where(torch.isfinite(codes.float()), codes.float(), 0.0).to(cache_dtype)
-    d, n = 32, 8
+    n = 256 // d
     v_cache = torch.zeros(2 * n, 1, 1, d, dtype=cache_dtype)
     v_cache[::2, 0, 0] = codes.view(n, d)  # sequence i's first key: block 2i; its second: block 2i + 1 (zeros)
-    k_cache = torch.zeros_like(v_cache)
+    k_cache = torch.randn(2 * n, 1, 1, d).to(cache_dtype)
     table = torch.arange(2 * n, dtype=torch.int32).view(n, 2)
-    q = torch.randn(2 * n, 1, d).bfloat16()
+    q = torch.randn(2 * n, gqa, d).bfloat16()
     for q_lens in ([1] * n, [2] * n):  # decodes of one key; prefills of two rows
         qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
         seq_lens = torch.tensor(q_lens, dtype=torch.int32)
         out = cpu_attention.paged_attention(q[: sum(q_lens)], k_cache, v_cache, table, qsl, seq_lens, 1.0,
                                             v_scale=0.25, use_amx=use_amx)
-        first_rows = out[qsl[:-1].long()].view(-1)
-        assert torch.equal(first_rows.float(), codes.float() * 0.25)
+        for head in range(gqa):
+            first_rows = out[qsl[:-1].long(), head].reshape(-1)
+            assert torch.equal(first_rows.float(), codes.float() * 0.25)
     assert (codes.float() != 0).sum() > 200
 
 
