@@ -208,8 +208,8 @@ void quantize_row(const T* x, uint8_t* dst, int64_t n, float scale) {
   int64_t i = 0;
 #ifdef __AVX512F__
   const __m512 sv = _mm512_set1_ps(scale), hi = _mm512_set1_ps(bound), lo = _mm512_set1_ps(-bound);
-  // x / 2^k and x * 2^-k are one real number, each rounded once: the same float. A division took most of the
-  // row's time (vdivps: about a cycle an element), and 1.0, vLLM's default scale, is a power of two.
+  // x / 2^k and x * 2^-k are one real number, each rounded once: the same float, and the multiply is the cheaper
+  // (vdivps takes about a cycle an element). 1.0, vLLM's default scale, is a power of two.
   int exp2;
   const bool pow2 = std::frexp(scale, &exp2) == 0.5f && exp2 > -125 && exp2 < 127;  // 2^-k a normal float
   const __m512 inv = _mm512_set1_ps(pow2 ? std::ldexp(1.f, 1 - exp2) : 0.f);
