@@ -112,17 +112,22 @@ inline __m512i widen_fp8_32(const uint8_t* p) {
 // load_pairs32 (below) of two fp8 rows: their bytes zipped, then each byte's bf16 low and high bytes looked up and
 // unpacked into words, which come out in load_pairs32's order: five shuffle-port instructions where widening each
 // row and pairing the words take eight.
+// Codes `x` (64 bytes) as bf16 words by their bytes: lo = the bf16's low byte, hi = its high byte with the sign.
 template <int MANT, int BIAS>
-inline void widen_fp8_pairs32(const uint8_t* a, const uint8_t* b, __m512i& lo, __m512i& hi) {
+inline void fp8_bf16_bytes(__m512i x, __m512i& lo, __m512i& hi) {
   const auto& table = kFp8ToBf16<MANT, BIAS>;
   const __m512i* tl = reinterpret_cast<const __m512i*>(table.lo);
   const __m512i* th = reinterpret_cast<const __m512i*>(table.hi);
+  lo = _mm512_permutex2var_epi8(tl[0], x, tl[1]);
+  hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th[0], x, th[1]), x, _mm512_set1_epi8(int8_t(0x80)), 0xF8);
+}
+
+template <int MANT, int BIAS>
+inline void widen_fp8_pairs32(const uint8_t* a, const uint8_t* b, __m512i& lo, __m512i& hi) {
   const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
                                         _mm256_loadu_si256((const __m256i*)b), 1);
-  const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(kByteIndex.zip), ab);
-  const __m512i l = _mm512_permutex2var_epi8(tl[0], x, tl[1]);
-  const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th[0], x, th[1]), x,
-                                              _mm512_set1_epi8(int8_t(0x80)), 0xF8);  // high byte | sign
+  __m512i l, h;
+  fp8_bf16_bytes<MANT, BIAS>(_mm512_permutexvar_epi8(_mm512_load_si512(kByteIndex.zip), ab), l, h);
   lo = _mm512_unpacklo_epi8(l, h);
   hi = _mm512_unpackhi_epi8(l, h);
 }
@@ -132,13 +137,8 @@ inline void widen_fp8_pairs32(const uint8_t* a, const uint8_t* b, __m512i& lo, _
 // takes its other operand in the same order (lane_order64).
 template <int MANT, int BIAS>
 inline void widen_fp8_lanes64(const uint8_t* p, __m512i& w0, __m512i& w1) {
-  const auto& table = kFp8ToBf16<MANT, BIAS>;
-  const __m512i* tl = reinterpret_cast<const __m512i*>(table.lo);
-  const __m512i* th = reinterpret_cast<const __m512i*>(table.hi);
-  const __m512i x = _mm512_loadu_si512(p);
-  const __m512i l = _mm512_permutex2var_epi8(tl[0], x, tl[1]);
-  const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th[0], x, th[1]), x,
-                                              _mm512_set1_epi8(int8_t(0x80)), 0xF8);
+  __m512i l, h;
+  fp8_bf16_bytes<MANT, BIAS>(_mm512_loadu_si512(p), l, h);
   w0 = _mm512_unpacklo_epi8(l, h);
   w1 = _mm512_unpackhi_epi8(l, h);
 }
