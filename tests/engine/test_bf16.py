@@ -94,11 +94,14 @@ def test_auto_dtype_on_cpu_follows_the_cpu(model_factory, tmp_path, caplog):
     cpu_auto_dtype.cache_clear()
     with caplog.at_level(logging.INFO, logger="pagedserve.worker.cpu.dtype"):
         auto = LLM(model_dir, device="cpu", max_num_seqs=2)
-    want, _ = choose_cpu_dtype(torch.bfloat16, cpu_flags())
-    if not any(f in cpu_flags() for f in FAST_CPU_FLAGS[torch.bfloat16]):
-        assert want == torch.float32  # this machine kind: AVX2 only
-    assert auto.llm_engine.core.config.model_config.dtype == want
-    assert any("dtype auto on CPU" in r.getMessage() for r in caplog.records)
+    chosen = auto.llm_engine.core.config.model_config.dtype
+    logged = [r.getMessage() for r in caplog.records if "dtype auto on CPU" in r.getMessage()]
+    assert logged and logged[0].startswith(f"dtype auto on CPU: {str(chosen).removeprefix('torch.')} (")
+    flags = cpu_flags()
+    if not any(f in flags for f in FAST_CPU_FLAGS[torch.bfloat16]):
+        assert chosen == torch.float32  # this machine kind: AVX2 only
+    if "amx_bf16" in flags:  # AMX tiles beat fp32 several times over: the probe must not be swayed by a busy machine
+        assert chosen == torch.bfloat16
     explicit = LLM(model_dir, dtype="bfloat16", device="cpu", max_num_seqs=2)
     assert explicit.llm_engine.core.config.model_config.dtype == torch.bfloat16
 
