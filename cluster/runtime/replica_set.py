@@ -17,6 +17,7 @@ from pagedserve.cluster.runtime.replicas import Replica, launch_replica, shutdow
 from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import ScaleResult
+from pagedserve.engine.executor.ray_utils import HELD_CHECK_S
 from pagedserve.engine.protocol import ReplicaScaler
 from pagedserve.errors import EngineUnavailableError, InvalidRequestError
 
@@ -57,7 +58,7 @@ class ReplicaSet(ReplicaScaler):
             current = len(self.replicas)
             if num_replicas > current:
                 for _ in range(num_replicas - current):
-                    await self._add(num_replicas, wait_for_capacity=True)
+                    await self._add(num_replicas, held_wait_s=None)
                 return ScaleResult(len(self.replicas), num_replicas - current, 0, 0)
             if num_replicas < current:
                 victims = await self._least_busy(current - num_replicas)
@@ -79,8 +80,8 @@ class ReplicaSet(ReplicaScaler):
             for i, r in enumerate(old):
                 logger.info("rollout: replacing replica %d (%d of %d) with one serving %s", r.index, i + 1,
                             len(old), model)
-                try:  # surge: the new one first, where the cluster has room for it
-                    await self._add(len(self.replicas) + 1, new_args)
+                try:  # surge: the new one first, where the cluster has room for it now
+                    await self._add(len(self.replicas) + 1, new_args, held_wait_s=0)
                     moved += await self._remove(r, drain_timeout, "replaced by a rollout")
                 except RuntimeError as e:  # no room for one more: drain this one, then put the new one in its place
                     logger.info("rollout: no room to surge (%s); replacing in place", e)
@@ -94,12 +95,13 @@ class ReplicaSet(ReplicaScaler):
             logger.info("rollout: every replica serves %s", model)
             return ScaleResult(len(self.replicas), len(old), len(old), moved, model)
 
-    async def _add(self, share: int, args: EngineArgs | None = None, wait_for_capacity: bool = False) -> None:
+    async def _add(self, share: int, args: EngineArgs | None = None,
+                   held_wait_s: float | None = HELD_CHECK_S) -> None:
         index = self._next_index
         self._next_index += 1
         logger.info("placing replica %d", index)
         replica = await asyncio.to_thread(launch_replica, args or self.args, index, share,
-                                          self.max_waiting_requests, self.step_timeout, self.name, wait_for_capacity)
+                                          self.max_waiting_requests, self.step_timeout, self.name, held_wait_s)
         self.replicas.append(replica)
         await self.router.add_replica(replica)
 

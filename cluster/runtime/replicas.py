@@ -18,7 +18,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pagedserve.cluster.runtime.engine_core_actor import EngineCoreActor
 from pagedserve.cluster.runtime.preflight import check_placement_group
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.executor.ray_utils import ensure_ray, make_placement_group, rank_bundle, rank_cpus
+from pagedserve.engine.executor.ray_utils import (
+    HELD_CHECK_S,
+    ensure_ray,
+    make_placement_group,
+    rank_bundle,
+    rank_cpus,
+)
 from pagedserve.errors import EngineUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -69,12 +75,12 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
 
 def launch_replica(args: EngineArgs, index: int, share: int, max_waiting_requests: int | None = None,
                    step_timeout: float | None = None, name: str | None = None,
-                   wait_for_capacity: bool = False) -> Replica:
+                   held_wait_s: float | None = HELD_CHECK_S) -> Replica:
     """One more replica (a scale-out, or a rollout's replacement), warmed up, with a CPU share sized for ``share``
-    replicas; released again if it cannot be placed or fails its warm-up. ``wait_for_capacity``: see
+    replicas; released again if it cannot be placed or fails its warm-up. ``held_wait_s``: see
     ``make_placement_group``."""
     replica = _start_replica(args, args.create_engine_config(), index, share, max_waiting_requests, step_timeout,
-                             name, wait_for_capacity)
+                             name, held_wait_s)
     try:
         _warm_up([replica])
     except BaseException:
@@ -84,7 +90,7 @@ def launch_replica(args: EngineArgs, index: int, share: int, max_waiting_request
 
 
 def _start_replica(args: EngineArgs, config, index: int, share: int, max_waiting_requests: int | None,
-                   step_timeout: float | None, name: str | None, wait_for_capacity: bool = False) -> Replica:
+                   step_timeout: float | None, name: str | None, held_wait_s: float | None = HELD_CHECK_S) -> Replica:
     """Place replica ``index`` and start its engine-core actor (not yet warmed up); ``share``: how many replicas
     divide the cluster's CPUs."""
     tp = config.parallel_config.tensor_parallel_size
@@ -100,7 +106,7 @@ def _start_replica(args: EngineArgs, config, index: int, share: int, max_waiting
         opts = {"num_cpus": CORE_ACTOR_CPUS}
         threads = 1
     pg = make_placement_group(bundles, f"replica{index}", detached=name is not None,
-                              wait_for_capacity=wait_for_capacity)
+                              held_wait_s=held_wait_s)
     report = check_placement_group(pg, config)  # before the engine loads: fail in seconds, with the fixes
     if not report.ok:
         remove_placement_group(pg)

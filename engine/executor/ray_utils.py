@@ -55,13 +55,15 @@ def rank_bundle(cpu: float, gpu: bool) -> dict[str, float]:
 
 
 def make_placement_group(bundles: list[dict[str, float]], role: str, detached: bool = False,
-                         timeout: float = PLACEMENT_TIMEOUT_S, wait_for_capacity: bool = False) -> PlacementGroup:
+                         timeout: float = PLACEMENT_TIMEOUT_S,
+                         held_wait_s: float | None = HELD_CHECK_S) -> PlacementGroup:
     """One engine's resources on one node (a TP group never spans nodes). ``role`` names it, so that an engine
     that cannot be placed can say which others hold the resources. Raises RuntimeError saying why, within
-    ``HELD_CHECK_S`` when other placement groups hold what it needs, else after ``timeout`` seconds.
+    ``held_wait_s`` when other placement groups hold what it needs, else after ``timeout`` seconds.
     ``detached``: it outlives the process that made it (removed with ``remove_placement_group``).
-    ``wait_for_capacity``: wait the whole ``timeout`` even when others hold the resources (a scale-out: the pending
-    group is what makes a Ray autoscaler add a node)."""
+    ``held_wait_s`` None: wait the whole ``timeout`` even when others hold the resources (a scale-out: the pending
+    group is what makes a Ray autoscaler add a node); 0: give up at the first look (a rollout's surge, which
+    replaces in place instead)."""
     name = f"pagedserve-{role}-pid{os.getpid()}-{next(_names)}"
     pg = placement_group(bundles, strategy="STRICT_PACK", name=name, lifetime="detached" if detached else None)
     start = time.monotonic()
@@ -71,7 +73,7 @@ def make_placement_group(bundles: list[dict[str, float]], role: str, detached: b
             return pg
         except ray.exceptions.GetTimeoutError:
             waited = time.monotonic() - start
-            why = _unplaceable(bundles, name) if waited > HELD_CHECK_S and not wait_for_capacity else None
+            why = _unplaceable(bundles, name) if held_wait_s is not None and waited >= held_wait_s else None
             if why is None and waited > timeout:
                 why = _not_placed(bundles, name, timeout)
             if why is not None:

@@ -34,17 +34,25 @@ def main(model_dir: str, new_dir: str) -> None:
     from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.tests.server_thread import HealthWatch, ServerThread, free_port
 
+    start = time.monotonic()
     prompts = [[5 + i, 17, 23 + 3 * i, 9] for i in range(STREAMS)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(model_dir, seed=0).generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
+    phases: dict[str, float] = {}
+
+    def phase(name: str) -> None:
+        phases[name] = round(time.monotonic() - start, 1)
+
+    phase("expected")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     srv = ServerThread(EngineArgs(model=model_dir, seed=0), data_parallel_size=2, http_port=free_port(),
                        allow_unauthenticated_ray=True).start(240)  # a simulated cluster: token auth off
+    phase("serving")
     watch = HealthWatch(srv).start()
     health = watch.seen
     report: dict = {}
@@ -83,6 +91,7 @@ def main(model_dir: str, new_dir: str) -> None:
                     break
             time.sleep(0.5)
         report["replaced_after_s"] = round(time.monotonic() - t0, 1)
+        phase("lost_and_replaced")
         with srv.client() as c:
             report["replicas_after_rejoin"] = c.model_info().data_parallel_size
 
@@ -103,6 +112,7 @@ def main(model_dir: str, new_dir: str) -> None:
         nodes.append(cluster.add_node(num_cpus=1))  # room for the kept replica to come back
         got = asyncio.run(streams(scale_in_losing_the_kept_node))
         report["scale_in_exact"] = sum(g == e for g, e in zip(got, expected))
+        phase("scale_in")
 
         async def scale_out_waiting_for_a_node() -> None:
             """One replica and one free node: a scale-out to 3 waits for the node a Ray autoscaler would add."""
@@ -116,6 +126,7 @@ def main(model_dir: str, new_dir: str) -> None:
         asyncio.run(scale_out_waiting_for_a_node())
         with srv.client() as c:
             report["replicas_after_scale_out"] = c.model_info().data_parallel_size
+        phase("scale_out")
 
         async def rollout_losing_a_node() -> None:
             """A rollout to new weights (no room to surge: each old replica drained, then replaced in place) that
@@ -143,6 +154,7 @@ def main(model_dir: str, new_dir: str) -> None:
 
         got = asyncio.run(streams(rollout_losing_a_node))
         report["rollout_complete"] = sum(len(g) == MAX_TOKENS for g in got)
+        phase("rollout")
         new = [o.outputs[0].token_ids for o in LLM(new_dir, seed=0).generate(
             [{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)]
         with srv.client() as c:
@@ -151,6 +163,7 @@ def main(model_dir: str, new_dir: str) -> None:
                 for p in prompts[:4]] == new
     finally:
         report["health"] = list(health)
+        report["phases_s"] = phases
         watch.stop()
         srv.stop()
         ray.shutdown()
