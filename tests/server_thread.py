@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import shutil
+import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
 
+import psutil
 import uvloop
 
 from pagedserve.cluster.client import Client
@@ -18,6 +24,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_ray_head(head: subprocess.Popen, temp_dir: str) -> None:
+    """Stop a `ray start --head --block` started in a session of its own, with every process under it, and remove
+    its temp dir. Killed outright: a graceful stop of a Ray head took 10 to 30 s here, and the test is done with it."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        procs = psutil.Process(head.pid).children(recursive=True)
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(10)
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(procs, timeout=10)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 class ServerThread:

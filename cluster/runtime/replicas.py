@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ray
@@ -59,11 +60,15 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
         if attach_replicas(name):
             raise ValueError(f"replicas of {name!r} already run in this Ray cluster (namespace {NAMESPACE!r}); stop "
                              "that server, or pick another --served-model-name")
-    replicas = []
+    # Placed and checked together: each replica's node checks take seconds (a fresh Ray worker imports torch).
+    with ThreadPoolExecutor(min(data_parallel_size, 16)) as pool:
+        started = [pool.submit(_start_replica, args, config, i, data_parallel_size, max_waiting_requests,
+                               step_timeout, name) for i in range(data_parallel_size)]
+    replicas = [f.result() for f in started if f.exception() is None]
     try:
-        for i in range(data_parallel_size):
-            replicas.append(_start_replica(args, config, i, data_parallel_size, max_waiting_requests, step_timeout,
-                                           name))
+        for f in started:
+            if f.exception() is not None:
+                raise f.exception()
         _warm_up(replicas)
     except BaseException:
         shutdown_replicas(replicas)

@@ -17,7 +17,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.client import Client
-from pagedserve.tests.server_thread import free_port
+from pagedserve.tests.server_thread import free_port, kill_ray_head
 
 PS = [sys.executable, "-m", "pagedserve"]
 
@@ -117,8 +117,4 @@ def test_serve_refuses_a_ray_cluster_exposed_without_authentication(llama_dir, t
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert "token authentication off" in proc.stderr and "--allow-unauthenticated-ray" in proc.stderr
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
+        kill_ray_head(head, temp_dir)

@@ -2,18 +2,13 @@
 default): the job runs the full serve-and-query demo (`pagedserve demo`) to completion."""
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-import psutil
-
-from pagedserve.tests.server_thread import free_port
+from pagedserve.tests.server_thread import free_port, kill_ray_head
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,12 +51,4 @@ def test_ray_job_submit_runs_serve_and_query(llama_dir):
         assert "succeeded" in out and "Connected to Ray cluster" in out  # joined the head, did not start its own
         assert "[2 requests, 16 tokens" in out and "shut down cleanly" in out
     finally:
-        # Killed outright: a graceful stop of a Ray head took 10 to 30 s here, and the test is done with it.
-        procs = psutil.Process(head.pid).children(recursive=True)
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait(10)
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(procs, timeout=10)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        kill_ray_head(head, temp_dir)
