@@ -65,10 +65,10 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
         started = [pool.submit(_start_replica, args, config, i, data_parallel_size, max_waiting_requests,
                                step_timeout, name) for i in range(data_parallel_size)]
     replicas = [f.result() for f in started if f.exception() is None]
+    failed = [f.exception() for f in started if f.exception() is not None]
     try:
-        for f in started:
-            if f.exception() is not None:
-                raise f.exception()
+        if failed:
+            raise failed[0]
         _warm_up(replicas)
     except BaseException:
         shutdown_replicas(replicas)
