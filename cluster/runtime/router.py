@@ -99,6 +99,7 @@ class _InFlight:
     queue: asyncio.Queue
     replica: ReplicaState
     seed: int | None = None  # the engine's base seed, once it took the request
+    sent: asyncio.Event = field(default_factory=asyncio.Event)  # set once the first add_request has settled
     attempts: int = 0  # engines that died under it
     resuming: bool = False  # a resume is under way
     error: str | None = None  # why the engine ended it with an error
@@ -300,7 +301,7 @@ class ReplicaRouter(EngineClient):
                 else:
                     logger.warning("replica %d took this gateway for dead; resuming its requests", i)
                 for rec in [rec for rec in self._inflight.values() if rec.replica is r]:
-                    asyncio.get_running_loop().create_task(self._resume(rec))
+                    asyncio.get_running_loop().create_task(self._resume(rec, r))
                 continue
             except asyncio.CancelledError:
                 raise
@@ -312,7 +313,7 @@ class ReplicaRouter(EngineClient):
             await self._set_state(r, alive=False)
             r.cached.clear()  # a restarted engine starts with an empty cache; its snapshot says so on reconnecting
             for rec in [rec for rec in self._inflight.values() if rec.replica is r]:
-                asyncio.get_running_loop().create_task(self._resume(rec))
+                asyncio.get_running_loop().create_task(self._resume(rec, r))
             restarted = await self._await_restart(r.replica)
             if restarted is not True:
                 if isinstance(restarted, str):
@@ -396,14 +397,22 @@ class ReplicaRouter(EngineClient):
         target.load += 1
         rec.charge(target)
 
-    async def _resume(self, rec: _InFlight) -> None:
-        """Send a request whose engine died to another (or the restarted) one, from where it stood. A target that
-        turns out to be dying too (its node lost with the first) counts as one more engine lost: another takes the
-        request, or that one once it has come back."""
+    async def _resume(self, rec: _InFlight, lost: ReplicaState) -> None:
+        """Send a request whose engine (``lost``) died or moved it out to another (or the restarted) one, from where
+        it stood. A target that turns out to be dying too (its node lost with the first) counts as one more engine
+        lost: another takes the request, or that one once it has come back."""
         if rec.resuming:  # the replica it is moving to died: the resume under way sees it and goes on to another
             return
         rec.resuming = True
         try:
+            if not rec.sent.is_set():
+                # Its add_request is still under way: the lost replica may yet take it (a scale-in's drain), or
+                # refuse it as it dies, and then ``generate`` sends it to another itself.
+                await rec.sent.wait()
+                if rec.replica is not lost or self._inflight.get(rec.request.request_id) is not rec:
+                    return
+                if lost.alive:  # taken after it had ended this gateway's stream: free its blocks there
+                    lost.actor.abort.remote([rec.request.request_id])
             await self._resume_loop(rec)
         finally:
             rec.resuming = False
@@ -490,6 +499,7 @@ class ReplicaRouter(EngineClient):
                 i = rec.replica.index
                 try:
                     rec.seed = await rec.replica.actor.add_request.remote(self.client_id, request)
+                    rec.sent.set()
                     break
                 except ray.exceptions.RayTaskError as e:
                     cause = unwrap(e)
@@ -528,6 +538,7 @@ class ReplicaRouter(EngineClient):
                 if finished:
                     return
         finally:
+            rec.sent.set()  # a resume waiting for the replica's answer sees the request is gone
             self._inflight.pop(request_id, None)
             rec.replica.load -= 1
             rec.release()

@@ -4,14 +4,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import ray
 
 from pagedserve.cluster.runtime import router as router_mod
 from pagedserve.cluster.runtime.replicas import Replica
 from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.config import RequestLimits
-from pagedserve.engine.core_types import EngineInfo
+from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo
 from pagedserve.errors import EngineUnavailableError
-from pagedserve.outputs import EngineHealth
+from pagedserve.outputs import EngineCoreOutput, EngineHealth
+from pagedserve.sampling_params import SamplingParams
 
 
 def _info(num_kv_blocks: int) -> EngineInfo:
@@ -112,5 +114,81 @@ def test_a_rebuilding_replica_is_skipped_until_it_serves_again():
         assert router._pick().index == 1 and router.replicas[0].error is None
         await router._deliver(router.replicas[0], [EngineHealth(healthy=True)])
         assert router._pick().index == 0
+
+    asyncio.run(run())
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class _Actor:
+    """The engine-core actor calls a request makes, each add_request answered when the test says."""
+
+    def __init__(self) -> None:
+        self.adds: list[asyncio.Future] = []
+        self.requests: list[EngineCoreRequest] = []
+        self.aborted: list[str] = []
+        self.add_request, self.abort = _Method(self._add), _Method(self._abort)
+
+    def _add(self, client_id: str, request: EngineCoreRequest) -> asyncio.Future:
+        self.requests.append(request)
+        self.adds.append(asyncio.get_running_loop().create_future())
+        return self.adds[-1]
+
+    def _abort(self, request_ids: list[str]) -> asyncio.Future:
+        self.aborted += request_ids
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(request_ids)
+        return done
+
+
+async def _until(cond) -> None:
+    for _ in range(200):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("never happened")
+
+
+@pytest.mark.parametrize("answer", ["taken", "died"])
+def test_a_request_its_replica_lets_go_while_taking_it_moves_on(answer):
+    """A scale-in ends the gateway's stream (or the actor dies) while the request's add_request is still under way.
+    The request is neither failed nor run twice: taken, it resumes on the other replica with its seed and is aborted
+    on the first; refused by a dying actor, ``generate`` sends it to the other one itself."""
+    async def run() -> None:
+        actors = [_Actor(), _Actor()]
+        router = ReplicaRouter([Replica(i, a, None) for i, a in enumerate(actors)], None, [_info(100)] * 2)
+        router.replicas[1].load = 5  # the request goes to replica 0
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        stream = router.generate(None, EngineCoreRequest("a", [5, 6, 7], params), stream=True)
+        first = asyncio.ensure_future(stream.__anext__())
+        await _until(lambda: actors[0].adds)
+        lost = router.replicas[0]
+        if answer == "taken":  # draining, then its stream ended (as a scale-in does)
+            await router._deliver(lost, [EngineHealth(healthy=False, reason="scaled in", draining=True)])
+        else:
+            lost.alive = False
+        resume = asyncio.create_task(router._resume(router._inflight["a"], lost))
+        await asyncio.sleep(0.02)
+        assert not first.done() and not resume.done()  # it waits for the replica's answer
+        if answer == "taken":
+            actors[0].adds[0].set_result(1234)
+        else:
+            actors[0].adds[0].set_exception(ray.exceptions.RayActorError())
+        await _until(lambda: actors[1].adds)
+        actors[1].adds[0].set_result(1234)
+        await asyncio.wait_for(resume, 1.0)
+        moved = actors[1].requests[0]
+        if answer == "taken":
+            assert actors[0].aborted == ["a"] and moved.resume is not None and moved.resume.seed == 1234
+        else:
+            assert actors[0].aborted == [] and moved.resume is None
+        assert len(actors[1].adds) == 1  # sent once, not by both the resume and generate
+        await router._deliver(router.replicas[1], [EngineCoreOutput("a", {0: [9, 10]}, finish_reasons={
+            0: ("length", None)}, finished=True)])
+        out = await asyncio.wait_for(first, 1.0)
+        assert out.finished and out.outputs[0].token_ids == [9, 10]
 
     asyncio.run(run())
