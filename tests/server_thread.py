@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,6 +25,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports_in_a_row(n: int) -> int:
+    """The first of ``n`` consecutive ports free now (``--metrics-port`` of ``--api-server-count n``), below the
+    kernel's range of local ports for outgoing connections: there, any connection made meanwhile can take one."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    for _ in range(100):
+        first = random.randrange(10000, max(ephemeral, 20000) - n)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+    raise RuntimeError(f"no {n} free ports in a row")
 
 
 def kill_ray_head(head: subprocess.Popen, temp_dir: str) -> None:

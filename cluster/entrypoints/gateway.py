@@ -134,9 +134,9 @@ async def run_gateway(spec: GatewaySpec, stop: asyncio.Event | None = None,
                       f"{socket.gethostname()}/{os.getpid()}", api_options=opts.api_options)
     engine, discovery = None, None
     try:
-        await gateway.start()
-        if opts.metrics_port:
+        if opts.metrics_port:  # first: a gateway that cannot bind its metrics port never takes a connection
             gateway.metrics_port = metrics.start_http_server(opts.metrics_port, opts.host)
+        await gateway.start()
         engine = ReplicaRouter(replicas, tokenizer, infos, opts.make_policy(len(replicas)))
         engine.start()
         discovery = asyncio.ensure_future(_follow_replicas(name, engine))

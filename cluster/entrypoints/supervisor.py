@@ -46,7 +46,23 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _check_metrics_ports(opts: ServeOptions) -> None:
+    """Gateway ``i`` binds ``--metrics-port + i``: one that is taken would only fail and be restarted, over and over.
+    Bound as the metrics server binds (address reuse on), so a port left in TIME_WAIT passes."""
+    for i in range(opts.api_server_count if opts.metrics_port else 0):
+        port = opts.metrics_port + i
+        with socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((opts.host, port))
+            except OSError as e:
+                raise ValueError(f"gateway {i} of --api-server-count {opts.api_server_count} serves /metrics on "
+                                 f"--metrics-port + {i} = {port}, which is taken on {opts.host}: {e.strerror}"
+                                 ) from None
+
+
 def supervise(args: EngineArgs, opts: ServeOptions, name: str, log_level: str = "INFO") -> int:
+    _check_metrics_ports(opts)
     private_ray = None
     if not (args.ray_address or os.environ.get("RAY_ADDRESS")):
         private_ray = PrivateRay()

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.client.request import build_request
 from pagedserve.proto.v1 import generation_pb2_grpc as pb_grpc
-from pagedserve.tests.server_thread import free_port
+from pagedserve.tests.server_thread import free_port, free_ports_in_a_row
 
 PS = [sys.executable, "-m", "pagedserve"]
 MODEL = "gwtest"
@@ -53,7 +54,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, llama_dir):
-    port, http_port, metrics_port = free_port(), free_port(), free_port()
+    port, http_port, metrics_port = free_port(), free_port(), free_ports_in_a_row(2)
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     proc = subprocess.Popen(PS + ["serve", "--model", llama_dir, "--host", "127.0.0.1", "--grpc-port", str(port),
                                   "--port", str(http_port), "--metrics-port", str(metrics_port),
@@ -99,7 +100,7 @@ def _kv_all_free(ray) -> bool:
 
 
 def test_two_gateway_processes_share_the_grpc_and_http_ports(cluster):
-    assert len(cluster.gateway_pids()) == 2
+    assert len(cluster.gateway_pids()) == 2, "".join(cluster.log)[-3000:]
     for _ in range(16):  # a connection each (channels share one unless their subchannel pool is their own)
         with grpc.insecure_channel(f"127.0.0.1:{cluster.port}", [("grpc.use_local_subchannel_pool", 1)]) as ch:
             assert list(pb_grpc.GenerationServiceStub(ch).Generate(build_request("def", max_tokens=2), timeout=30))
@@ -139,7 +140,7 @@ def test_sigkilled_gateway_ends_only_its_streams_and_is_restarted(cluster, expec
         assert time.monotonic() < deadline
         time.sleep(0.05)
     pids = {r["pid"] for r in results if "pid" in r}
-    assert len(pids) == 2, pids
+    assert len(pids) == 2, (pids, "".join(cluster.log)[-3000:])
     victim = min(pids)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
@@ -205,3 +206,17 @@ def test_gateway_command_attaches_to_the_running_replicas(cluster, expected, ray
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_serve_refuses_a_gateway_metrics_port_that_is_taken(llama_dir):
+    """Gateway i serves /metrics on --metrics-port + i; one taken is refused before anything starts (a gateway that
+    cannot bind it would only fail and be restarted, over and over)."""
+    first = free_ports_in_a_row(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first + 1))
+        taken.listen()
+        res = subprocess.run(PS + ["serve", "--model", llama_dir, "--host", "127.0.0.1", "--port", "0",
+                                   "--metrics-port", str(first), "--api-server-count", "2"],
+                             capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert f"--metrics-port + 1 = {first + 1}, which is taken" in res.stderr, res.stderr[-3000:]
