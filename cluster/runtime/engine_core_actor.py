@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -22,6 +22,7 @@ import torch
 from prometheus_client.core import CounterMetricFamily
 
 from pagedserve.cluster.runtime.core_metrics import EngineCoreMetrics
+from pagedserve.cluster.runtime.preflight import NodeReport, PreflightFailed, node_checks
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.engine_core import EngineCore
@@ -52,12 +53,23 @@ class EngineCoreActor:
     A watchdog (``step_timeout`` seconds, None: off) restarts an engine whose step makes no progress: it kills the
     TP workers, so the step fails and the core rebuilds them (the requests start over on the new group), or, with
     the model in this actor, ends the actor for Ray to restart (the gateway then resumes the requests).
+
+    ``preflight_versions``: run the node's checks (``preflight.node_checks``, against these versions: the
+    launcher's) before loading anything; a node that fails them gets no engine, and ``warmup`` raises
+    ``PreflightFailed``. Not again when Ray restarts the actor: the node served already.
     """
 
     def __init__(self, engine_args: EngineArgs, max_waiting_requests: int | None = None,
                  num_threads: int | None = None, step_timeout: float | None = None,
-                 gateway_lease_s: float = GATEWAY_LEASE_S) -> None:
+                 gateway_lease_s: float = GATEWAY_LEASE_S,
+                 preflight_versions: Mapping[str, str] | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._preflight: NodeReport | None = None
+        if preflight_versions is not None and not ray.get_runtime_context().was_current_actor_reconstructed:
+            report = node_checks(engine_args.create_engine_config(), preflight_versions)
+            if not report.ok:
+                self._preflight = report
+                return
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         placement_group = ray.util.get_current_placement_group()  # read on the actor's thread (task context)
         self.core = self._engine_thread.submit(self._build_core, engine_args, num_threads, placement_group).result()
@@ -251,7 +263,10 @@ class EngineCoreActor:
     async def warmup(self) -> None:
         """Run one tiny request through the whole path (the health check turns SERVING after this); a no-op on a
         replica that is serving already (a gateway checking a restarted replica). Starts the step watchdog.
-        Raises ``EngineUnavailableError`` with the model's error when the model cannot run it."""
+        Raises ``EngineUnavailableError`` with the model's error when the model cannot run it, ``PreflightFailed``
+        when the node failed its checks."""
+        if self._preflight is not None:
+            raise PreflightFailed(self._preflight)
         await self._on_engine(self.core.warmup)
         if self.step_timeout and self._watchdog_task is None:
             self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog())
@@ -321,6 +336,9 @@ class EngineCoreActor:
         return self.core.executor.worker_pids()
 
     async def shutdown(self) -> None:
+        if self._preflight is not None:  # no engine was built
+            return
+
         def stop() -> None:
             self._stopped = True
             self.core.shutdown()

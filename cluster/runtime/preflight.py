@@ -1,7 +1,9 @@
 """Preflight checks (``pagedserve doctor``, and ``serve`` on each node that gets a replica): what would make a node
 fail only after minutes of loading, or hang, found in seconds, each failure with its fix.
 
-On each node, in a Ray task (so in the environment the ranks get: the raylet's, plus the job's runtime env):
+On each node, in the environment the ranks get (the raylet's, plus the job's runtime env): ``doctor`` runs a Ray task
+per node; ``serve`` runs them in each replica's engine-core actor before it loads the engine (with GPU ranks in
+actors of their own, in a task holding the first rank's GPU):
 - network: ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, if set, name interfaces that exist and have an address
   (else gloo and NCCL fail at the first all-reduce); unset, the address the ranks meet at (the node's Ray IP: rank 0
   publishes ``tcp://<its node IP>:<port>``) and the interface holding it are reported;
@@ -73,6 +75,15 @@ class NodeReport:
         """The failed checks in one message, each with its fix."""
         return "; ".join(f"{c.name}: {c.detail} (fix: {c.fix})" if c.fix else f"{c.name}: {c.detail}"
                          for c in self.checks if not c.ok)
+
+
+class PreflightFailed(Exception):
+    """A replica's node failed its checks (raised by its engine-core actor's warm-up; the launcher names the
+    replica)."""
+
+    def __init__(self, report: NodeReport) -> None:
+        super().__init__(report)
+        self.report = report
 
 
 @dataclass
@@ -352,14 +363,19 @@ def run_doctor(args: EngineArgs, nodes: list[str] | None = None, expected_versio
     return DoctorReport(driver_versions, checks, reports)
 
 
+def checks_in_engine_actor(config: EngineConfig) -> bool:
+    """Whether a replica's engine-core actor can run its node's checks itself, before it loads the engine (a task
+    of its own costs a Ray worker that imports torch): everywhere but GPU ranks in actors of their own, whose free
+    GPU memory only a task holding a rank's GPU can read."""
+    return not (config.device == "cuda" and config.parallel_config.distributed_executor_backend == "ray")
+
+
 def check_placement_group(pg: PlacementGroup, config: EngineConfig, timeout: float = CHECK_TIMEOUT_S) -> NodeReport:
-    """The node checks on the node holding ``pg`` (a replica's, placed), against this process's versions. On GPUs
-    the task takes the GPU of the first rank's bundle (before the engine does) to read its free memory."""
-    gpu = config.device == "cuda"
-    bundle = 1 if gpu and config.parallel_config.distributed_executor_backend == "ray" else 0
+    """The node checks on the node holding ``pg`` (a replica's, placed), against this process's versions, in a
+    task that takes the GPU of the first rank's bundle (before the engine does) to read its free memory."""
     ref = _node_checks.options(
-        num_gpus=1 if gpu else 0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle),
+        num_gpus=1,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=1),
     ).remote(config, local_versions())
     return _collect(ref, "", "the replica's node", timeout)
 

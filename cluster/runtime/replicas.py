@@ -17,7 +17,13 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.cluster.runtime.engine_core_actor import EngineCoreActor
-from pagedserve.cluster.runtime.preflight import check_placement_group
+from pagedserve.cluster.runtime.preflight import (
+    NodeReport,
+    PreflightFailed,
+    check_placement_group,
+    checks_in_engine_actor,
+    local_versions,
+)
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.executor.ray_utils import (
     HELD_CHECK_S,
@@ -60,7 +66,7 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
         if attach_replicas(name):
             raise ValueError(f"replicas of {name!r} already run in this Ray cluster (namespace {NAMESPACE!r}); stop "
                              "that server, or pick another --served-model-name")
-    # Placed and checked together: each replica's node checks take seconds (a fresh Ray worker imports torch).
+    # Placed together: a placement group may wait seconds for room, a GPU node check takes a fresh Ray worker.
     with ThreadPoolExecutor(min(data_parallel_size, 16)) as pool:
         started = [pool.submit(_start_replica, args, config, i, data_parallel_size, max_waiting_requests,
                                step_timeout, name) for i in range(data_parallel_size)]
@@ -112,10 +118,12 @@ def _start_replica(args: EngineArgs, config, index: int, share: int, max_waiting
         threads = 1
     pg = make_placement_group(bundles, f"replica{index}", detached=name is not None,
                               held_wait_s=held_wait_s)
-    report = check_placement_group(pg, config)  # before the engine loads: fail in seconds, with the fixes
-    if not report.ok:
+    # The node's checks run before the engine loads (fail in seconds, with the fixes), in the engine-core actor
+    # where they can (see ``_warm_up``).
+    in_actor = checks_in_engine_actor(config)
+    if not in_actor and not (report := check_placement_group(pg, config)).ok:
         remove_placement_group(pg)
-        raise ValueError(f"preflight failed for replica {index} on {report.label}: {report.failures()}")
+        raise _preflight_error(index, report)
     named = {} if name is None else {"name": replica_name(name, index), "namespace": NAMESPACE,
                                      "lifetime": "detached"}
     try:
@@ -126,7 +134,8 @@ def _start_replica(args: EngineArgs, config, index: int, share: int, max_waiting
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                  placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=False),
-        ).remote(args, max_waiting_requests, threads, step_timeout)
+        ).remote(args, max_waiting_requests, threads, step_timeout,
+                 preflight_versions=local_versions() if in_actor else None)
     except BaseException:
         remove_placement_group(pg)
         raise
@@ -164,6 +173,8 @@ def _warm_up(replicas: list[Replica]) -> None:
             ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+            if isinstance(cause, PreflightFailed):
+                raise _preflight_error(r.index, cause.report) from None
             why = str(cause) if isinstance(cause, EngineUnavailableError) else f"{type(cause).__name__}: {cause}"
             logger.error("replica %d failed its warm-up: %s", r.index, why)
             raise EngineUnavailableError(f"model replica {r.index} failed its warm-up: {why}") from None
@@ -172,6 +183,10 @@ def _warm_up(replicas: list[Replica]) -> None:
             why = lines[-1].strip() if lines else type(e).__name__
             logger.error("replica %d could not start: %s", r.index, e)
             raise EngineUnavailableError(f"model replica {r.index} could not start: {why}") from None
+
+
+def _preflight_error(index: int, report: NodeReport) -> ValueError:
+    return ValueError(f"preflight failed for replica {index} on {report.label}: {report.failures()}")
 
 
 def shutdown_replicas(replicas: list[Replica]) -> None:
