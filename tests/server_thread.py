@@ -17,6 +17,7 @@ import psutil
 import uvloop
 
 from pagedserve.cluster.client import Client
+from pagedserve.cluster.entrypoints.gateway import GatewaySpec, run_gateway
 from pagedserve.cluster.entrypoints.serve import ServeOptions, serve
 from pagedserve.engine.arg_utils import EngineArgs
 
@@ -108,6 +109,52 @@ class ServerThread:
         if self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(120)
+        if self._error is not None:
+            raise self._error
+
+
+class GatewayThread:
+    """One more gateway attached to a running server's named replicas (as ``pagedserve gateway``), on its own event
+    loop in a background thread of this process (whose Ray connection it uses); a context manager."""
+
+    def __init__(self, model_name: str, **opts) -> None:
+        opts.setdefault("grpc_port", free_port())
+        opts.setdefault("http_port", free_port())
+        opts.setdefault("metrics_port", 0)
+        self.spec = GatewaySpec(ServeOptions(host="127.0.0.1", served_model_name=model_name, **opts), ray_address="",
+                                engine_metrics=False)
+        self.http_url = f"http://127.0.0.1:{self.spec.opts.http_port}"
+        self.gateway = None  # the running Gateway, once ready
+        self._ready = threading.Event()
+        self._loop = uvloop.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._stop = asyncio.Event()
+        try:
+            self._loop.run_until_complete(run_gateway(self.spec, self._stop, self._on_ready))
+        except BaseException as e:  # surfaced on entering or leaving
+            self._error = e
+        finally:
+            self._ready.set()
+
+    def _on_ready(self, gateway) -> None:
+        self.gateway = gateway
+        self._ready.set()
+
+    def __enter__(self) -> GatewayThread:
+        self._thread.start()
+        assert self._ready.wait(120), "the gateway did not attach in 120 s"
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)
         if self._error is not None:
             raise self._error
 

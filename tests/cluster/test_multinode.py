@@ -1,7 +1,8 @@
 """Two simulated nodes (``ray.cluster_utils.Cluster``): with ``--data-parallel-size 2`` and TP=2 each TP group
 lands whole on one node, the second replica on the other, and the gateway spreads requests across both. With one
 replica per node, each routing policy over HTTP: prefix-aware keeps each tenant on the replica that holds its prefix,
-round-robin alternates, least-loaded serves from both under concurrency.
+round-robin alternates, least-loaded serves from both under concurrency (those two on gateways attached to the
+replicas, as `pagedserve gateway` attaches).
 Runs in subprocesses: each needs a Ray cluster of its own, apart from the session's."""
 from __future__ import annotations
 
@@ -58,17 +59,19 @@ def main(model_dir: str) -> None:
 SYSTEM = {"a": [(7 * i) % 250 + 5 for i in range(96)], "b": [(11 * i) % 250 + 5 for i in range(96)]}  # 6 blocks
 
 
-def _policy_report(srv) -> dict:
+def _policy_report(gateway, http_url: str) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx2
     import ray
 
+    replicas = [r.replica for r in gateway.state.engine.replicas]
+
     def queries() -> list[int]:
-        return [ray.get(r.actor.get_stats.remote()).scheduler.prefix_cache_queries for r in srv.replicas]
+        return [ray.get(r.actor.get_stats.remote()).scheduler.prefix_cache_queries for r in replicas]
 
     def complete(prompt: list[int]) -> None:
-        r = httpx2.post(f"{srv.http_url}/v1/completions", timeout=120,
+        r = httpx2.post(f"{http_url}/v1/completions", timeout=120,
                         json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text
 
@@ -79,18 +82,19 @@ def _policy_report(srv) -> dict:
         with ThreadPoolExecutor(4) as pool:  # concurrent: least-loaded sees load on a replica
             list(pool.map(complete, [system + [q + 10, 4] for q in range(4)]))
         grew[tenant] = [after - b for after, b in zip(queries(), before)]
-    return {"nodes": ray.get([r.actor.get_node_id.remote() for r in srv.replicas]), "grew": grew,
-            "decisions": dict(srv.gateway.state.engine.decisions)}
+    return {"nodes": ray.get([r.actor.get_node_id.remote() for r in replicas]), "grew": grew,
+            "decisions": dict(gateway.state.engine.decisions)}
 
 
 def policies(model_dir: str) -> None:
     """For each policy on two one-CPU nodes (so one replica per node): per tenant, the prompt tokens each replica
-    looked up in its prefix cache while serving the tenant's requests, and the routing decisions."""
+    looked up in its prefix cache while serving the tenant's requests, and the routing decisions. Prefix-aware on
+    the server's own gateway while the caches are empty; the others on gateways attached to the same replicas."""
     import ray
     from ray.cluster_utils import Cluster
 
     from pagedserve.engine.arg_utils import EngineArgs
-    from pagedserve.tests.server_thread import ServerThread, free_port
+    from pagedserve.tests.server_thread import GatewayThread, ServerThread, free_port
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
@@ -98,14 +102,16 @@ def policies(model_dir: str) -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     report = {}
     try:
-        for policy in ("prefix-aware", "round-robin", "least-loaded"):
-            srv = ServerThread(EngineArgs(model=model_dir, seed=0, max_model_len=256), data_parallel_size=2,
-                               http_port=free_port(), routing_policy=policy,
-                               allow_unauthenticated_ray=True).start(timeout=240)
-            try:
-                report[policy] = _policy_report(srv)
-            finally:
-                srv.stop()
+        srv = ServerThread(EngineArgs(model=model_dir, seed=0, max_model_len=256), data_parallel_size=2,
+                           http_port=free_port(), routing_policy="prefix-aware", served_model_name="policies",
+                           name_replicas=True, allow_unauthenticated_ray=True).start(timeout=240)
+        try:
+            report["prefix-aware"] = _policy_report(srv.gateway, srv.http_url)
+            for policy in ("round-robin", "least-loaded"):
+                with GatewayThread("policies", routing_policy=policy, allow_unauthenticated_ray=True) as gw:
+                    report[policy] = _policy_report(gw.gateway, gw.http_url)
+        finally:
+            srv.stop()
     finally:
         ray.shutdown()
         cluster.shutdown()
