@@ -10,8 +10,8 @@
 #   bash benchmarks/gpu_check.sh [--quick] [--dry-run]
 #
 # --quick: a few batch sizes and contexts in the kernel sweep, no end-to-end run. --dry-run (CI, no GPU): the same
-# steps' CPU-only parts: the test subsets are collected, not run, the kernel benchmark finds no GPU and says so, the
-# end-to-end run only parses its arguments. PYTHON names the interpreter (default python3). Wheels of packages the
+# steps' CPU-only parts, all at once: the test subsets are collected, not run, the kernel benchmark finds no GPU and
+# says so, the end-to-end run only parses its arguments. PYTHON names the interpreter (default python3). Wheels of packages the
 # machine lacks (llguidance) may be put in .whl/ beside it (WHEELS names another dir); they are installed to a
 # temporary site dir, as is a link that makes this checkout importable as `pagedserve` where it is not installed.
 set -uo pipefail
@@ -60,9 +60,23 @@ log="$dest/gpu-check.log"
 step() {  # step NAME SECONDS COMMAND...: run it under a timeout, logged, and say how long it took
     local name=$1 limit=$2 t0=$SECONDS
     shift 2
+    if [ $dry = 1 ]; then  # CPU-only parts, mostly imports: all at once, logged in order by finish_steps
+        ( echo "== $name"; timeout "$limit" "$@" 2>&1; rc=$?; echo "$name: $((SECONDS - t0)) s"; exit $rc ) \
+            > "$site/step${#running[@]}.log" &
+        running+=($!)
+        return
+    fi
     echo "== $name" | tee -a "$log"
     timeout "$limit" "$@" 2>&1 | tee -a "$log" || status=1
     echo "$name: $((SECONDS - t0)) s" | tee -a "$log"
+}
+running=()
+finish_steps() {
+    local i
+    for i in "${!running[@]}"; do
+        wait "${running[$i]}" || status=1
+        tee -a "$log" < "$site/step$i.log"
+    done
 }
 
 opts=(-q -p no:randomly -rfEs)
@@ -97,4 +111,5 @@ if [ $quick = 0 ]; then
     [ $dry = 1 ] && fp8+=(--help)
     step "fp8 KV cache" 200 "$py" benchmarks/kv_cache_fp8.py "${fp8[@]}"
 fi
+finish_steps
 exit $status
