@@ -1,6 +1,6 @@
-"""The offline API's resources live as long as the LLM: built, dropped and built again in one process on a Ray with
-room for one TP=2 engine; a second engine while the first holds the CPUs fails within seconds saying which placement
-group holds them; `with LLM(...)` releases on exit; nothing is left placed at the end. Run in a subprocess, with a
+"""The offline API's resources live as long as the LLM: built, dropped and built again (as `with LLM(...)`, which
+releases on exit) in one process on a Ray with room for one TP=2 engine; a second engine while the first holds the
+CPUs fails within seconds saying which placement group holds them; nothing is left placed at the end. Run in a subprocess, with a
 Ray instance of its own sized so that two engines cannot fit."""
 from __future__ import annotations
 
@@ -28,12 +28,9 @@ except RuntimeError as e:
     report["held"] = [time.monotonic() - t, str(e)]
 llm = None  # the last reference: its actors and placement group go now
 t = time.monotonic()
-again = LLM(model, tensor_parallel_size=2)
-report["rebuild_s"] = time.monotonic() - t
-report["again"] = again.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
-del again
-with LLM(model, tensor_parallel_size=2) as llm3:
-    report["with"] = llm3.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+with LLM(model, tensor_parallel_size=2) as again:
+    report["rebuild_s"] = time.monotonic() - t
+    report["again"] = again.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
 report["placed_after"] = [pg["name"] for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
 print("REPORT " + json.dumps(report))
 """
@@ -50,6 +47,6 @@ def test_build_drop_rebuild_and_context_manager(model_factory):
     assert waited < 15, f"the refusal took {waited:.1f} s"  # seconds, not Ray's 120 s timeout
     assert "held by placement group(s) pagedserve-llm-" in why and "2 CPU" in why
     assert report["rebuild_s"] < 60  # no wait for a timeout: the dropped engine's resources were free
-    assert report["first"] == report["again"] == report["with"]
+    assert report["first"] == report["again"]
     assert report["placed_after"] == []
     assert time.monotonic() - t0 < 240
