@@ -1,7 +1,7 @@
 """The offline API's resources live as long as the LLM: built, dropped and built again (as `with LLM(...)`, which
 releases on exit) in one process on a Ray with room for one TP=2 engine; a second engine while the first holds the
-CPUs fails within seconds saying which placement group holds them; nothing is left placed at the end. Run in a subprocess, with a
-Ray instance of its own sized so that two engines cannot fit."""
+CPUs fails within seconds saying which placement group holds them; nothing is left placed at the end. Run in a
+subprocess, with a Ray instance of its own sized so that two engines cannot fit."""
 from __future__ import annotations
 
 import json
