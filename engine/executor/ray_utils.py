@@ -6,6 +6,7 @@ import os
 import time
 
 import ray
+from ray._private.state import available_resources_per_node
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
 PLACEMENT_TIMEOUT_S = 120  # for resources that may yet come (a node joining)
@@ -99,23 +100,25 @@ def _amounts(resources: dict[str, float]) -> str:
 
 
 def _unplaceable(bundles: list[dict[str, float]], name: str) -> str | None:
-    """Why the bundles cannot be placed now, if other placement groups hold what they need; else None (wait)."""
-    need = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
-    total, free = ray.cluster_resources(), ray.available_resources()
-    short = [k for k, v in need.items() if v > free.get(k, 0.0) + 1e-9]
-    if not short:
+    """Why the bundles cannot be placed now, if no node has room for them all (they go on one node) and other
+    placement groups hold what they need; else None (wait)."""
+    need = {k: v for k in ("CPU", "GPU") if (v := sum(b.get(k, 0.0) for b in bundles)) > 0}
+    nodes = list(available_resources_per_node().values())
+    if any(all(v <= free.get(k, 0.0) + 1e-9 for k, v in need.items()) for free in nodes):
         return None
+    total, free = ray.cluster_resources(), ray.available_resources()
     holders = []
     for pg in placement_group_table().values():
         if pg["state"] != "CREATED" or pg["name"] == name:
             continue
-        held = {k: sum(b.get(k, 0.0) for b in pg["bundles"].values()) for k in short}
+        held = {k: sum(b.get(k, 0.0) for b in pg["bundles"].values()) for k in need}
         if any(held.values()):
             amounts = ", ".join(f"{v:g} {k}" for k, v in held.items() if v)
             holders.append(f"{pg['name'] or pg['placement_group_id']} ({amounts})")
     if not holders:
         return None
-    wants = ", ".join(f"{need[k]:g} {k} (the cluster has {total.get(k, 0.0):g}, {free.get(k, 0.0):g} free)"
-                      for k in short)
+    wants = ", ".join(f"{need[k]:g} {k} on one node (the cluster has {total.get(k, 0.0):g}, {free.get(k, 0.0):g} "
+                      f"free, at most {max((n.get(k, 0.0) for n in nodes), default=0.0):g} on any node)"
+                      for k in need)
     return (f"cannot place {name}: it needs {wants}; held by placement group(s) {'; '.join(holders)}. "
             "Release those engines (LLM.shutdown(), `with LLM(...)`, or dropping them) or add resources.")

@@ -23,6 +23,7 @@ MAX_TOKENS = 48
 
 def main(model_dir: str, new_dir: str) -> None:
     import asyncio
+    import logging
     import time
 
     import httpx2
@@ -34,6 +35,8 @@ def main(model_dir: str, new_dir: str) -> None:
     from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.tests.server_thread import HealthWatch, ServerThread, free_port
 
+    # The server's decisions with their times, in the stderr tail a failure shows.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     start = time.monotonic()
     prompts = [[5 + i, 17, 23 + 3 * i, 9] for i in range(STREAMS)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -2,7 +2,8 @@
 lands whole on one node, the second replica on the other, and the gateway spreads requests across both. With one
 replica per node, each routing policy over HTTP: prefix-aware keeps each tenant on the replica that holds its prefix,
 round-robin alternates, least-loaded serves from both under concurrency (those two on gateways attached to the
-replicas, as `pagedserve gateway` attaches).
+replicas, as `pagedserve gateway` attaches); a placement group that fits the free CPUs in total but no one node is
+refused at once where the caller asks for one look.
 Runs in subprocesses: each needs a Ray cluster of its own, apart from the session's."""
 from __future__ import annotations
 
@@ -86,6 +87,30 @@ def _policy_report(gateway, http_url: str) -> dict:
             "decisions": dict(gateway.state.engine.decisions)}
 
 
+def _fragmented() -> dict:
+    """Two groups of 0.6 CPU hold one on each one-CPU node; one of 0.5 fits the free CPUs in total (0.8) but no one
+    node's (0.4): a look that gives up at once (a rollout's surge) says so, instead of waiting for the timeout."""
+    import time
+
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    from pagedserve.engine.executor.ray_utils import make_placement_group
+
+    holders = [make_placement_group([{"CPU": 0.6}], "holder") for _ in range(2)]
+    free = ray.available_resources().get("CPU", 0.0)
+    t = time.monotonic()
+    try:
+        make_placement_group([{"CPU": 0.5}], "fragmented", held_wait_s=0)
+        why = None
+    except RuntimeError as e:
+        why = str(e)
+    took = time.monotonic() - t
+    for pg in holders:
+        remove_placement_group(pg)
+    return {"free_total": free, "ask": 0.5, "why": why, "took_s": took}
+
+
 def policies(model_dir: str) -> None:
     """For each policy on two one-CPU nodes (so one replica per node): per tenant, the prompt tokens each replica
     looked up in its prefix cache while serving the tenant's requests, and the routing decisions. Prefix-aware on
@@ -112,6 +137,7 @@ def policies(model_dir: str) -> None:
                     report[policy] = _policy_report(gw.gateway, gw.http_url)
         finally:
             srv.stop()
+        report["fragmented"] = _fragmented()
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -125,14 +151,18 @@ def test_each_routing_policy_with_a_replica_on_each_node(model_factory, llama_di
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     report = json.loads(lines[-1][len("REPORT "):])
-    for policy, r in report.items():
-        assert len(set(r["nodes"])) == 2, (policy, r["nodes"])
+    for policy in ("prefix-aware", "round-robin", "least-loaded"):
+        assert len(set(report[policy]["nodes"])) == 2, (policy, report[policy]["nodes"])
     prefix = report["prefix-aware"]
     for tenant, grew in prefix["grew"].items():  # one replica took every request of the tenant
         assert sorted(grew)[0] == 0 and sorted(grew)[1] > 0, (tenant, grew)
     assert prefix["decisions"]["prefix_hit"] == 8
     assert all(g > 0 for g in report["round-robin"]["grew"]["a"]), report["round-robin"]
     assert report["round-robin"]["decisions"]["round_robin"] == 10
+    frag = report["fragmented"]
+    assert frag["free_total"] >= frag["ask"], frag  # the precondition: room in total, on no one node
+    assert frag["why"] is not None and "on one node" in frag["why"] and "held by placement group(s)" in frag["why"]
+    assert frag["took_s"] < 10, frag
     least = report["least-loaded"]
     assert least["decisions"]["least_loaded"] == 10
     assert all(sum(g[i] for g in least["grew"].values()) > 0 for i in range(2)), least  # both replicas served
