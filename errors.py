@@ -25,5 +25,10 @@ class EngineUnavailableError(PagedServeError):
     """No engine can take or finish the request now: loading, draining, or its replica failed."""
 
 
+class ReplicaDrainingError(EngineUnavailableError):
+    """The replica is draining (a scale-in or a rollout) and takes no new request: the gateway, which routed it there
+    before it heard of the drain, sends it to another replica."""
+
+
 class WorkerFailedError(PagedServeError):
     """A tensor-parallel worker died; the whole group is unusable until rebuilt."""

@@ -27,7 +27,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.executor import RayPlacement, create_executor
-from pagedserve.errors import OverloadedError
+from pagedserve.errors import OverloadedError, ReplicaDrainingError
 from pagedserve.outputs import EngineCoreOutput, EngineHealth
 from pagedserve.scheduler.kv_events import KVCacheSnapshot, KVEvent, KVEventBatch
 
@@ -88,6 +88,7 @@ class EngineCoreActor:
         self._stepping = False  # a step is queued on the engine thread; engine thread only
         self._stopped = False
         self._draining = False
+        self._drain_reason = ""
         self._step_started: float | None = None  # monotonic start of the step in progress (engine thread writes)
         self._healthy = EngineHealth(True)
         self._watchdog_task: asyncio.Task | None = None
@@ -174,7 +175,11 @@ class EngineCoreActor:
         return self._queues.setdefault(client_id, asyncio.Queue())
 
     async def add_request(self, client_id: str, request: EngineCoreRequest) -> int:
-        """Queue a request; returns its base seed (what a resume on another engine needs)."""
+        """Queue a request; returns its base seed (what a resume on another engine needs). A draining replica refuses
+        it (``ReplicaDrainingError``): the requests its drain waits for are those it took before, so a request sent
+        while the drain began never runs here past it."""
+        if self._draining:
+            raise ReplicaDrainingError(f"model replica is draining: {self._drain_reason}")
         self._queue(client_id)
         self._owner[request.request_id] = client_id
         try:
@@ -292,6 +297,7 @@ class EngineCoreActor:
     def begin_drain(self, reason: str) -> None:
         """Tell every gateway, now and on connecting, to route nothing new here."""
         self._draining = True
+        self._drain_reason = reason
         self._broadcast(EngineHealth(False, reason, draining=True))
 
     def num_owned_requests(self) -> int:

@@ -31,7 +31,13 @@ from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineSt
 from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import EngineClient
-from pagedserve.errors import DuplicateRequestError, EngineUnavailableError, InvalidRequestError, OverloadedError
+from pagedserve.errors import (
+    DuplicateRequestError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    OverloadedError,
+    ReplicaDrainingError,
+)
 from pagedserve.outputs import BeamSearchOutput, EngineCoreOutput, EngineHealth, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler.block_manager import prompt_block_hashes
@@ -314,7 +320,7 @@ class ReplicaRouter(EngineClient):
             r.cached.clear()  # a restarted engine starts with an empty cache; its snapshot says so on reconnecting
             for rec in [rec for rec in self._inflight.values() if rec.replica is r]:
                 asyncio.get_running_loop().create_task(self._resume(rec, r))
-            restarted = await self._await_restart(r.replica)
+            restarted = await self._await_restart(r)
             if restarted is not True:
                 if isinstance(restarted, str):
                     r.error = restarted
@@ -330,20 +336,21 @@ class ReplicaRouter(EngineClient):
             await self._set_state(r, alive=True, ready=True)
 
     @staticmethod
-    async def _await_restart(replica: Replica) -> bool | str:
-        """Wait for Ray to restart the actor (``max_restarts``); False once it is dead for good, the model's error
-        if the restarted one cannot run its warm-up request."""
+    async def _await_restart(r: ReplicaState) -> bool | str:
+        """Wait for Ray to restart the actor (``max_restarts``); False once it is dead for good (as a retiring one
+        ends), the model's error if the restarted one cannot run its warm-up request."""
         while True:
             try:
-                await replica.actor.warmup.remote()
+                await r.actor.warmup.remote()
                 return True
             except ray.exceptions.ActorUnavailableError:  # restarting
                 await asyncio.sleep(0.5)
             except ray.exceptions.RayTaskError as e:
-                logger.error("replica %d restarted but cannot serve: %s", replica.index, unwrap(e))
+                logger.error("replica %d restarted but cannot serve: %s", r.index, unwrap(e))
                 return str(unwrap(e))
             except ray.exceptions.RayActorError as e:
-                logger.error("replica %d is gone for good: %s", replica.index, e)
+                if not r.retiring:
+                    logger.error("replica %d is gone for good: %s", r.index, e)
                 return False
 
     @staticmethod
@@ -453,10 +460,13 @@ class ReplicaRouter(EngineClient):
                 logger.warning("replica %d failed taking request %s (%s); trying another", target.index, rid,
                                type(e).__name__)
             except ray.exceptions.RayTaskError as e:
-                if not isinstance(unwrap(e), DuplicateRequestError):  # else an earlier try reached it after all
-                    rec.queue.put_nowait(EngineUnavailableError(
-                        f"model replica {target.index} failed resuming it: {type(unwrap(e)).__name__}"))
-                return
+                if isinstance(unwrap(e), ReplicaDrainingError):  # draining before this gateway heard: another
+                    logger.info("replica %d is draining; resuming request %s on another", target.index, rid)
+                else:
+                    if not isinstance(unwrap(e), DuplicateRequestError):  # else an earlier try reached it after all
+                        rec.queue.put_nowait(EngineUnavailableError(
+                            f"model replica {target.index} failed resuming it: {type(unwrap(e)).__name__}"))
+                    return
             except ray.exceptions.RayError as e:
                 rec.queue.put_nowait(EngineUnavailableError(
                     f"model replica {target.index} failed resuming it: {type(e).__name__}"))
@@ -503,22 +513,26 @@ class ReplicaRouter(EngineClient):
                     break
                 except ray.exceptions.RayTaskError as e:
                     cause = unwrap(e)
-                    if isinstance(cause, (ValueError, OverloadedError, EngineUnavailableError)):
+                    if isinstance(cause, ReplicaDrainingError):  # before its stream told us: another takes it
+                        why = str(cause)
+                    elif isinstance(cause, (ValueError, OverloadedError, EngineUnavailableError)):
                         finished = True  # nothing was queued
                         raise cause from None
-                    raise EngineUnavailableError(f"model replica {i} failed: {type(cause).__name__}") from None
+                    else:
+                        raise EngineUnavailableError(f"model replica {i} failed: {type(cause).__name__}") from None
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                     # Its actor died (or is restarting) before its stream told us: nothing was queued there, another
                     # replica takes it.
-                    tried.add(i)
-                    others = [r for r in self.replicas if r.serving and r.index not in tried]
-                    if not others:
-                        raise EngineUnavailableError(f"model replica {i} is unavailable: {type(e).__name__}") from None
-                    self._move(rec, min(others, key=lambda r: r.load))
-                    if session_id is not None:
-                        self._sessions[session_id] = rec.replica.index
+                    why = f"model replica {i} is unavailable: {type(e).__name__}"
                 except ray.exceptions.RayError as e:
                     raise EngineUnavailableError(f"model replica {i} is unavailable: {type(e).__name__}") from None
+                tried.add(i)
+                others = [r for r in self.replicas if r.serving and r.index not in tried]
+                if not others:
+                    raise EngineUnavailableError(why)
+                self._move(rec, min(others, key=lambda r: r.load))
+                if session_id is not None:
+                    self._sessions[session_id] = rec.replica.index
             while True:
                 item = await rec.queue.get()
                 if isinstance(item, BaseException):

@@ -1,17 +1,21 @@
 """A replica takes a gateway that stops renewing its lease for dead (a SIGKILLed gateway ends no Ray generator): its
 stream ends and its requests are aborted, their KV blocks freed, while a gateway that renews keeps its stream and
-its request runs to the end. (test_gateways.py kills a real gateway process; this one shortens the lease.)"""
+its request runs to the end. (test_gateways.py kills a real gateway process; this one shortens the lease.) Once
+draining, the replica refuses a new request by type, which a gateway that routed it there before hearing of the drain
+sends to another replica."""
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
 
+import pytest
 import ray
 
 from pagedserve.cluster.runtime.engine_core_actor import EngineCoreActor
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import EngineCoreRequest
+from pagedserve.errors import ReplicaDrainingError
 from pagedserve.sampling_params import SamplingParams
 
 LEASE_S = 2.0
@@ -57,6 +61,10 @@ def test_a_gateway_that_stops_renewing_loses_its_requests_and_only_it(ray_cluste
             time.sleep(LEASE_S / 5)
             assert time.monotonic() - start < 300
         assert got["renewing"]["tokens"] == MAX_TOKENS and threads[1].is_alive()  # a gateway's stream outlives requests
+        ray.get(actor.begin_drain.remote("scaled in"))
+        with pytest.raises(ReplicaDrainingError, match="draining: scaled in"):
+            ray.get(actor.add_request.remote("renewing", EngineCoreRequest("late", [5, 6, 7], params)))
+        assert ray.get(actor.num_owned_requests.remote()) == 0
         stats = ray.get(actor.get_stats.remote())
         assert stats.num_running == 0 and stats.kv_blocks_free == stats.kv_blocks_total
         orphaned = next(f for f in ray.get(actor.get_metrics.remote()) if f.name == "pagedserve_orphaned_requests")

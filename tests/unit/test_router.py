@@ -11,7 +11,7 @@ from pagedserve.cluster.runtime.replicas import Replica
 from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.config import RequestLimits
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo
-from pagedserve.errors import EngineUnavailableError
+from pagedserve.errors import EngineUnavailableError, ReplicaDrainingError
 from pagedserve.outputs import EngineCoreOutput, EngineHealth
 from pagedserve.sampling_params import SamplingParams
 
@@ -186,6 +186,30 @@ def test_a_request_its_replica_lets_go_while_taking_it_moves_on(answer):
         else:
             assert actors[0].aborted == [] and moved.resume is None
         assert len(actors[1].adds) == 1  # sent once, not by both the resume and generate
+        await router._deliver(router.replicas[1], [EngineCoreOutput("a", {0: [9, 10]}, finish_reasons={
+            0: ("length", None)}, finished=True)])
+        out = await asyncio.wait_for(first, 1.0)
+        assert out.finished and out.outputs[0].token_ids == [9, 10]
+
+    asyncio.run(run())
+
+
+def test_a_request_a_draining_replica_refuses_goes_to_another():
+    """Routed to a replica whose drain began before this gateway heard of it: the replica refuses it (so its drain
+    never waits on, or cuts short, a request that came in late) and the other replica runs it from the start."""
+    async def run() -> None:
+        actors = [_Actor(), _Actor()]
+        router = ReplicaRouter([Replica(i, a, None) for i, a in enumerate(actors)], None, [_info(100)] * 2)
+        router.replicas[1].load = 5  # the request goes to replica 0
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        stream = router.generate(None, EngineCoreRequest("a", [5, 6, 7], params), stream=True)
+        first = asyncio.ensure_future(stream.__anext__())
+        await _until(lambda: actors[0].adds)
+        actors[0].adds[0].set_exception(ray.exceptions.RayTaskError(
+            "add_request", "", ReplicaDrainingError("model replica is draining: replaced by a rollout")))
+        await _until(lambda: actors[1].adds)
+        actors[1].adds[0].set_result(1234)
+        assert actors[1].requests[0].resume is None and actors[0].aborted == []
         await router._deliver(router.replicas[1], [EngineCoreOutput("a", {0: [9, 10]}, finish_reasons={
             0: ("length", None)}, finished=True)])
         out = await asyncio.wait_for(first, 1.0)
