@@ -59,8 +59,46 @@ def kill_ray_head(head: subprocess.Popen, temp_dir: str) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-class ServerThread:
+class _LoopThread:
+    """Runs ``_main(stop)`` on its own uvloop event loop (as the CLI runs it) in a background thread; ``stop``
+    ends it. An error it raised surfaces from ``_check`` and ``_end``."""
+
+    def __init__(self) -> None:
+        self._loop = uvloop.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    async def _main(self, stop: asyncio.Event) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._stop = asyncio.Event()
+        try:
+            self._loop.run_until_complete(self._main(self._stop))
+        except BaseException as e:
+            self._error = e
+        finally:
+            self._finished()
+
+    def _finished(self) -> None:
+        pass
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _end(self, timeout: float) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout)
+        self._check()
+
+
+class ServerThread(_LoopThread):
     def __init__(self, args: EngineArgs, **opts) -> None:
+        super().__init__()
         opts.setdefault("grpc_port", free_port())
         opts.setdefault("metrics_port", 0)
         opts.setdefault("http_port", 0)  # no HTTP API unless asked (http_port=free_port())
@@ -70,19 +108,10 @@ class ServerThread:
         self.http_url = f"{scheme}://127.0.0.1:{self.opts.http_port}" if self.opts.http_port else None
         self.args = args
         self.health_seen: list[str] = []  # distinct health states, in the order first seen
-        self._loop = uvloop.new_event_loop()  # as `pagedserve serve` runs
-        self._stop: asyncio.Event | None = None
-        self._error: BaseException | None = None
         self.gateway = None  # the running Gateway, once SERVING
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._stop = asyncio.Event()
-        try:
-            self._loop.run_until_complete(serve(self.args, self.opts, self._stop, self._ready))
-        except BaseException as e:  # surfaced by start()/stop()
-            self._error = e
+    async def _main(self, stop: asyncio.Event) -> None:
+        await serve(self.args, self.opts, stop, self._ready)
 
     def _ready(self, gateway) -> None:
         self.gateway = gateway
@@ -96,28 +125,20 @@ class ServerThread:
 
     def start(self, timeout: float = 120.0, **client_kw) -> ServerThread:
         self._thread.start()
-
-        def check() -> None:
-            if self._error is not None:
-                raise self._error
-
         with self.client(timeout=2, **client_kw) as c:
-            self.health_seen = c.wait_for_health("SERVING", timeout, check=check)
+            self.health_seen = c.wait_for_health("SERVING", timeout, check=self._check)
         return self
 
     def stop(self) -> None:
-        if self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(120)
-        if self._error is not None:
-            raise self._error
+        self._end(120)
 
 
-class GatewayThread:
+class GatewayThread(_LoopThread):
     """One more gateway attached to a running server's named replicas (as ``pagedserve gateway``), on its own event
     loop in a background thread of this process (whose Ray connection it uses); a context manager."""
 
     def __init__(self, model_name: str, **opts) -> None:
+        super().__init__()
         opts.setdefault("grpc_port", free_port())
         opts.setdefault("http_port", free_port())
         opts.setdefault("metrics_port", 0)
@@ -126,20 +147,12 @@ class GatewayThread:
         self.http_url = f"http://127.0.0.1:{self.spec.opts.http_port}"
         self.gateway = None  # the running Gateway, once ready
         self._ready = threading.Event()
-        self._loop = uvloop.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._stop = asyncio.Event()
-        try:
-            self._loop.run_until_complete(run_gateway(self.spec, self._stop, self._on_ready))
-        except BaseException as e:  # surfaced on entering or leaving
-            self._error = e
-        finally:
-            self._ready.set()
+    async def _main(self, stop: asyncio.Event) -> None:
+        await run_gateway(self.spec, stop, self._on_ready)
+
+    def _finished(self) -> None:
+        self._ready.set()
 
     def _on_ready(self, gateway) -> None:
         self.gateway = gateway
@@ -148,15 +161,11 @@ class GatewayThread:
     def __enter__(self) -> GatewayThread:
         self._thread.start()
         assert self._ready.wait(120), "the gateway did not attach in 120 s"
-        if self._error is not None:
-            raise self._error
+        self._check()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(60)
-        if self._error is not None:
-            raise self._error
+        self._end(60)
 
 
 class HealthWatch:
