@@ -1,17 +1,20 @@
 """Builds the C++ CPU kernels of ``csrc/`` into one extension on first use.
 
 Compiled with ``-march=native`` where it runs, with torch's extension loader (cached under
-``TORCH_EXTENSIONS_DIR``). Where it cannot be built, :func:`load` raises :class:`KernelBuildError`, which says how
-to run on torch ops instead.
+``TORCH_EXTENSIONS_DIR``, in a directory of its own per source tree, torch install and ``ninja``). Where it cannot
+be built, :func:`load` raises :class:`KernelBuildError`, which says how to run on torch ops instead.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
 
+import torch
 from torch.utils import cpp_extension
 
 CSRC = Path(__file__).parent / "csrc"
@@ -61,9 +64,15 @@ def load() -> ModuleType:
 
 
 def build_directory() -> str:
-    """Where the extension is built and cached: torch's default place for a CPU extension of this name."""
+    """Where the extension is built and cached: torch's default place for a CPU extension, in a directory named
+    after what its build commands depend on. Two checkouts, or two ``ninja`` versions (a system one, and the
+    environment's when it is activated), sharing one directory rebuilt every kernel (a minute on 2 cores) at each
+    start that alternated between them: the commands' paths differ, and each ninja discards the other's build log."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_cpu", NAME)
+    ninja = shutil.which("ninja") or ""
+    key = "\0".join([str(CSRC.resolve()), os.path.dirname(torch.__file__), os.path.realpath(ninja) if ninja else ""])
+    tag = hashlib.sha1(key.encode()).hexdigest()[:10]
+    return os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_cpu", f"{NAME}-{tag}")
 
 
 def available() -> bool:
