@@ -1,11 +1,13 @@
 """Builds the C++ CPU kernels of ``csrc/`` into one extension on first use.
 
-Compiled with ``-march=native`` where it runs, with torch's extension loader (cached under
-``TORCH_EXTENSIONS_DIR``, in a directory of its own per source tree, torch install and ``ninja``). Where it cannot
-be built, :func:`load` raises :class:`KernelBuildError`, which says how to run on torch ops instead.
+Compiled with ``-march=native`` where it runs, with torch's extension loader and the environment's own ``ninja``
+where it has one (cached under ``TORCH_EXTENSIONS_DIR``, in a directory of its own per source tree, torch install and
+``ninja``). Where it cannot be built, :func:`load` raises :class:`KernelBuildError`, which says how to run on torch
+ops instead.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -53,10 +55,11 @@ def load() -> ModuleType:
                     os.remove(os.path.join(build_dir, "lock"))
                 except FileNotFoundError:
                     pass
-                _module = cpp_extension.load(
-                    name=NAME, sources=[str(CSRC / s) for s in SOURCES], build_directory=build_dir,
-                    extra_include_paths=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                    verbose=bool(os.environ.get("PAGEDSERVE_VERBOSE_BUILD")))
+                with _ninja_first_on_path():
+                    _module = cpp_extension.load(
+                        name=NAME, sources=[str(CSRC / s) for s in SOURCES], build_directory=build_dir,
+                        extra_include_paths=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                        verbose=bool(os.environ.get("PAGEDSERVE_VERBOSE_BUILD")))
         except Exception as e:  # a missing compiler or ninja, or a compile error
             _error = KernelBuildError(_message(e))
             raise _error from e
@@ -69,10 +72,29 @@ def build_directory() -> str:
     environment's when it is activated), sharing one directory rebuilt every kernel (a minute on 2 cores) at each
     start that alternated between them: the commands' paths differ, and each ninja discards the other's build log."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    ninja = shutil.which("ninja") or ""
+    ninja = _ninja()
     key = "\0".join([str(CSRC.resolve()), os.path.dirname(torch.__file__), os.path.realpath(ninja) if ninja else ""])
     tag = hashlib.sha1(key.encode()).hexdigest()[:10]
     return os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_cpu", f"{NAME}-{tag}")
+
+
+def _ninja() -> str:
+    """The ninja a build runs: the environment's own (the `ninja` package's, beside this Python) where it has one,
+    whether or not the environment is activated; else the first on PATH ("" if none)."""
+    own = os.path.join(os.path.dirname(sys.executable), "ninja")
+    return own if os.access(own, os.X_OK) else shutil.which("ninja") or ""
+
+
+@contextlib.contextmanager
+def _ninja_first_on_path():
+    """torch's loader runs ``ninja`` from PATH: put :func:`_ninja`'s directory first while it builds."""
+    ninja, before = _ninja(), os.environ.get("PATH", "")
+    if ninja:
+        os.environ["PATH"] = os.path.dirname(ninja) + os.pathsep + before
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
 
 
 def available() -> bool:

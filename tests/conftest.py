@@ -14,9 +14,7 @@ from pagedserve.tests.utils import make_model, make_tokenizer
 torch.set_num_threads(2)
 
 # The environment's own tools first on PATH, as an activated environment has them, for this process and all it
-# starts (Ray's processes, the CLI runs, Ray jobs). torch builds the C++ kernels with the first `ninja` on PATH, and
-# ninja versions record commands in the build log differently: a process that finds another ninja (a system one,
-# where the environment is not activated) than the last build used rebuilds every kernel from scratch.
+# starts (Ray's processes, the CLI runs, Ray jobs).
 _ENV_BIN = os.path.dirname(sys.executable)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _ENV_BIN:
     os.environ["PATH"] = _ENV_BIN + os.pathsep + os.environ.get("PATH", "")

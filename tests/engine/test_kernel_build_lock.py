@@ -32,13 +32,23 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path, mo
     assert not (copy / "lock").exists()
 
 
-def test_another_ninja_builds_in_a_directory_of_its_own(tmp_path, monkeypatch):
+def _fake_ninja(bin_dir: Path) -> None:
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "ninja").write_text("#!/bin/sh\necho 1.10.0\n")
+    (bin_dir / "ninja").chmod(0o755)
+
+
+def test_each_ninja_builds_in_a_directory_of_its_own(tmp_path, monkeypatch):
+    """The environment's own ninja is used whether or not the environment is activated (PATH); without one, the
+    first on PATH, and another one there builds elsewhere."""
     here = cpu_extension.build_directory()
     assert cpu_extension.build_directory() == here  # stable: the cache is found again
-    other = tmp_path / "bin"
-    other.mkdir()
-    (other / "ninja").write_text("#!/bin/sh\necho 1.10.0\n")
-    (other / "ninja").chmod(0o755)
-    monkeypatch.setenv("PATH", str(other) + os.pathsep + os.environ["PATH"])
-    theirs = cpu_extension.build_directory()
-    assert theirs != here and os.path.dirname(theirs) == os.path.dirname(here)
+    _fake_ninja(tmp_path / "env" / "bin")
+    _fake_ninja(tmp_path / "system")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "env" / "bin" / "python"))
+    own = cpu_extension.build_directory()
+    monkeypatch.setenv("PATH", str(tmp_path / "system") + os.pathsep + os.environ["PATH"])
+    assert cpu_extension.build_directory() == own != here
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bare" / "python"))
+    assert cpu_extension.build_directory() not in (own, here)
+    assert os.path.dirname(own) == os.path.dirname(here)
