@@ -152,19 +152,33 @@ async def _until(cond) -> None:
     raise AssertionError("never happened")
 
 
+async def _request_sent_to_replica_0() -> tuple[list[_Actor], ReplicaRouter, asyncio.Future]:
+    """Two replicas and request "a" routed to replica 0, whose add_request is under way; the stream's first output,
+    awaited in the background."""
+    actors = [_Actor(), _Actor()]
+    router = ReplicaRouter([Replica(i, a, None) for i, a in enumerate(actors)], None, [_info(100)] * 2)
+    router.replicas[1].load = 5  # the request goes to replica 0
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    stream = router.generate(None, EngineCoreRequest("a", [5, 6, 7], params), stream=True)
+    first = asyncio.ensure_future(stream.__anext__())
+    await _until(lambda: actors[0].adds)
+    return actors, router, first
+
+
+async def _finishes_on_replica_1(router: ReplicaRouter, first: asyncio.Future) -> None:
+    await router._deliver(router.replicas[1], [EngineCoreOutput("a", {0: [9, 10]}, finish_reasons={
+        0: ("length", None)}, finished=True)])
+    out = await asyncio.wait_for(first, 1.0)
+    assert out.finished and out.outputs[0].token_ids == [9, 10]
+
+
 @pytest.mark.parametrize("answer", ["taken", "died"])
 def test_a_request_its_replica_lets_go_while_taking_it_moves_on(answer):
     """A scale-in ends the gateway's stream (or the actor dies) while the request's add_request is still under way.
     The request is neither failed nor run twice: taken, it resumes on the other replica with its seed and is aborted
     on the first; refused by a dying actor, ``generate`` sends it to the other one itself."""
     async def run() -> None:
-        actors = [_Actor(), _Actor()]
-        router = ReplicaRouter([Replica(i, a, None) for i, a in enumerate(actors)], None, [_info(100)] * 2)
-        router.replicas[1].load = 5  # the request goes to replica 0
-        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        stream = router.generate(None, EngineCoreRequest("a", [5, 6, 7], params), stream=True)
-        first = asyncio.ensure_future(stream.__anext__())
-        await _until(lambda: actors[0].adds)
+        actors, router, first = await _request_sent_to_replica_0()
         lost = router.replicas[0]
         if answer == "taken":  # draining, then its stream ended (as a scale-in does)
             await router._deliver(lost, [EngineHealth(healthy=False, reason="scaled in", draining=True)])
@@ -186,10 +200,7 @@ def test_a_request_its_replica_lets_go_while_taking_it_moves_on(answer):
         else:
             assert actors[0].aborted == [] and moved.resume is None
         assert len(actors[1].adds) == 1  # sent once, not by both the resume and generate
-        await router._deliver(router.replicas[1], [EngineCoreOutput("a", {0: [9, 10]}, finish_reasons={
-            0: ("length", None)}, finished=True)])
-        out = await asyncio.wait_for(first, 1.0)
-        assert out.finished and out.outputs[0].token_ids == [9, 10]
+        await _finishes_on_replica_1(router, first)
 
     asyncio.run(run())
 
@@ -198,21 +209,12 @@ def test_a_request_a_draining_replica_refuses_goes_to_another():
     """Routed to a replica whose drain began before this gateway heard of it: the replica refuses it (so its drain
     never waits on, or cuts short, a request that came in late) and the other replica runs it from the start."""
     async def run() -> None:
-        actors = [_Actor(), _Actor()]
-        router = ReplicaRouter([Replica(i, a, None) for i, a in enumerate(actors)], None, [_info(100)] * 2)
-        router.replicas[1].load = 5  # the request goes to replica 0
-        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        stream = router.generate(None, EngineCoreRequest("a", [5, 6, 7], params), stream=True)
-        first = asyncio.ensure_future(stream.__anext__())
-        await _until(lambda: actors[0].adds)
+        actors, router, first = await _request_sent_to_replica_0()
         actors[0].adds[0].set_exception(ray.exceptions.RayTaskError(
             "add_request", "", ReplicaDrainingError("model replica is draining: replaced by a rollout")))
         await _until(lambda: actors[1].adds)
         actors[1].adds[0].set_result(1234)
         assert actors[1].requests[0].resume is None and actors[0].aborted == []
-        await router._deliver(router.replicas[1], [EngineCoreOutput("a", {0: [9, 10]}, finish_reasons={
-            0: ("length", None)}, finished=True)])
-        out = await asyncio.wait_for(first, 1.0)
-        assert out.finished and out.outputs[0].token_ids == [9, 10]
+        await _finishes_on_replica_1(router, first)
 
     asyncio.run(run())
