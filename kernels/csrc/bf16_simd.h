@@ -145,7 +145,6 @@ inline void widen_fp8_lanes64(const uint8_t* p, __m512i& w0, __m512i& w1) {
 template <typename C> constexpr bool has_lane_order64() { return !std::is_same_v<C, bf16_t>; }
 inline void widen_lanes64(const fp8_e4m3_t* p, __m512i& w0, __m512i& w1) { widen_fp8_lanes64<3, 7>(&p->bits, w0, w1); }
 inline void widen_lanes64(const fp8_e5m2_t* p, __m512i& w0, __m512i& w1) { widen_fp8_lanes64<2, 15>(&p->bits, w0, w1); }
-inline void widen_lanes64(const bf16_t*, __m512i&, __m512i&) {}
 
 // 64 bf16 (two vectors of 32) in widen_fp8_lanes64's order.
 inline void lane_order64(const bf16_t* p, __m512i& w0, __m512i& w1) {
