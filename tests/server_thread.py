@@ -1,6 +1,7 @@
 """Test harness: a gateway run by ``serve()`` on its own event loop in a background thread."""
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import os
@@ -59,18 +60,21 @@ def kill_ray_head(head: subprocess.Popen, temp_dir: str) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-class _LoopThread:
+class _LoopThread(abc.ABC):
     """Runs ``_main(stop)`` on its own uvloop event loop (as the CLI runs it) in a background thread; ``stop``
-    ends it. An error it raised surfaces from ``_check`` and ``_end``."""
+    ends it. An error it raised surfaces from ``_check`` and ``_end``. ``_settled`` is set once it ended, or earlier
+    by a subclass once what it runs is ready."""
 
     def __init__(self) -> None:
         self._loop = uvloop.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._settled = threading.Event()
 
+    @abc.abstractmethod
     async def _main(self, stop: asyncio.Event) -> None:
-        raise NotImplementedError
+        """What the thread runs until ``stop`` is set."""
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -80,10 +84,7 @@ class _LoopThread:
         except BaseException as e:
             self._error = e
         finally:
-            self._finished()
-
-    def _finished(self) -> None:
-        pass
+            self._settled.set()
 
     def _check(self) -> None:
         if self._error is not None:
@@ -146,21 +147,17 @@ class GatewayThread(_LoopThread):
                                 engine_metrics=False)
         self.http_url = f"http://127.0.0.1:{self.spec.opts.http_port}"
         self.gateway = None  # the running Gateway, once ready
-        self._ready = threading.Event()
 
     async def _main(self, stop: asyncio.Event) -> None:
         await run_gateway(self.spec, stop, self._on_ready)
 
-    def _finished(self) -> None:
-        self._ready.set()
-
     def _on_ready(self, gateway) -> None:
         self.gateway = gateway
-        self._ready.set()
+        self._settled.set()
 
     def __enter__(self) -> GatewayThread:
         self._thread.start()
-        assert self._ready.wait(120), "the gateway did not attach in 120 s"
+        assert self._settled.wait(120), "the gateway did not attach in 120 s"
         self._check()
         return self
 
