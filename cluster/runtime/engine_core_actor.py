@@ -87,8 +87,7 @@ class EngineCoreActor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stepping = False  # a step is queued on the engine thread; engine thread only
         self._stopped = False
-        self._draining = False
-        self._drain_reason = ""
+        self._drain_reason: str | None = None  # why it drains, once it does
         self._step_started: float | None = None  # monotonic start of the step in progress (engine thread writes)
         self._healthy = EngineHealth(True)
         self._watchdog_task: asyncio.Task | None = None
@@ -114,7 +113,7 @@ class EngineCoreActor:
             self._healthy = event
 
     def _broadcast(self, event: EngineHealth) -> None:
-        if self._draining and event.healthy:  # rebuilt workers while draining: still routed nothing new
+        if self._drain_reason is not None and event.healthy:  # rebuilt workers while draining: still routed nothing new
             return
         self._healthy = event
         for q in self._queues.values():
@@ -178,7 +177,7 @@ class EngineCoreActor:
         """Queue a request; returns its base seed (what a resume on another engine needs). A draining replica refuses
         it (``ReplicaDrainingError``): the requests its drain waits for are those it took before, so a request sent
         while the drain began never runs here past it."""
-        if self._draining:
+        if self._drain_reason is not None:
             raise ReplicaDrainingError(f"model replica is draining: {self._drain_reason}")
         self._queue(client_id)
         self._owner[request.request_id] = client_id
@@ -296,7 +295,6 @@ class EngineCoreActor:
     # ---- scale-in and replacement -----------------------------------------------------------------------------
     def begin_drain(self, reason: str) -> None:
         """Tell every gateway, now and on connecting, to route nothing new here."""
-        self._draining = True
         self._drain_reason = reason
         self._broadcast(EngineHealth(False, reason, draining=True))
 
