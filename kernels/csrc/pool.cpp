@@ -6,13 +6,16 @@
 // worker that is not running simply does none, and finds the region closed when it wakes.
 //
 // Workers spin for a moment after a region (the next one of a step usually follows within microseconds), then
-// sleep on a futex. A forked child starts its own workers on first use.
+// sleep on a futex. The spin yields the core every few microseconds, so that a process waiting to run there (a
+// served engine's gateway, the load generator) runs instead of the spin. A forked child starts its own workers on
+// first use.
 
 #include "pool.h"
 
 #include <ATen/Parallel.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -83,6 +86,7 @@ struct Pool {
         const auto until = std::chrono::steady_clock::now() + kSpin;
         for (int i = 0; (gen = generation.load(std::memory_order_acquire)) == seen; ++i) {
           PS_PAUSE();
+          if (i % 64 == 31) sched_yield();
           if (i % 64 == 63 && std::chrono::steady_clock::now() > until) {
             sleepers.fetch_add(1, std::memory_order_seq_cst);
             if ((gen = generation.load(std::memory_order_seq_cst)) == seen) futex_wait(&generation, seen);
