@@ -62,6 +62,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     preemption_mode: str | None  # None: swap for multi-sequence requests, else recompute
+    max_decode_stall_ms: float = 0.0  # 0: every running decode in every step (vLLM v1's mixing)
 
 
 @dataclass

@@ -44,10 +44,13 @@ def read_bandwidth(n_bytes: int = 1 << 30, repeat: int = 5, device: str = "cpu")
 
 def roofline(cfg: dict, prompt_lens: list[int], output_lens: list[int], elem_bytes: int, peak_flops: float,
              read_bw: float, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-             kv_elem_bytes: int | None = None) -> Roofline:
+             kv_elem_bytes: int | None = None, prefill_first: bool = False) -> Roofline:
     """``cfg``: a LLaMA-style config (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
     intermediate_size, vocab_size). Each request's first output token comes from its prompt's last position.
-    ``kv_elem_bytes``: the KV cache's element size where it differs from the weights' (an fp8 cache: 1)."""
+    ``kv_elem_bytes``: the KV cache's element size where it differs from the weights' (an fp8 cache: 1).
+    The steps replayed are the scheduler's: every running request, then waiting ones, in the token budget; with
+    ``prefill_first``, decodes sit out while a prompt can run (the scheduler's ``max_decode_stall_ms`` when no
+    decode waits out its limit)."""
     h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     kv_dim = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
     layer_params = n_layers * (h * (h + 2 * kv_dim) + h * h + 3 * h * cfg["intermediate_size"])
@@ -67,8 +70,12 @@ def roofline(cfg: dict, prompt_lens: list[int], output_lens: list[int], elem_byt
     while running or waiting:
         budget, tokens, rows, step_kv, attn, decode_attn = max_num_batched_tokens, 0, 0, 0.0, 0.0, 0.0
         scheduled: list[tuple[int, int]] = []
+        pending = {r: prompt_lens[r] + produced[r] - computed[r] for r in running}
+        hold = prefill_first and (any(n > 1 for n in pending.values()) or (waiting and len(running) < max_num_seqs))
         for r in running:
-            n = min(prompt_lens[r] + produced[r] - computed[r], budget)
+            if hold and pending[r] == 1:
+                continue
+            n = min(pending[r], budget)
             if n <= 0:
                 break
             scheduled.append((r, n))

@@ -172,7 +172,7 @@ def main() -> None:
         seq = run_hf_sequential(hf, wl, args.hf_sequential_requests, rng)
         static = run_hf_static(hf, wl, args.hf_static_batches, rng)
         roof = roofline(cfg, [len(p) for p in wl.prompts], wl.output_lens, dtype.itemsize, peak, read_bw,
-                        max_num_seqs=args.max_num_seqs)
+                        max_num_seqs=args.max_num_seqs, prefill_first=EngineArgs().max_decode_stall_ms > 0)
         ours["mfu"] = roof.mfu(ours["seconds"], peak)
         ours["mfu_ceiling"] = roof.mfu(roof.floor_s, peak)
         ours["vs_hf_sequential"] = ours["output_tok_s"] / seq["output_tok_s"]

@@ -60,6 +60,10 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _arg(None, "KV-cache blocks, overriding the memory-based count")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps")
+    max_decode_stall_ms: float = _arg(2000.0, "while prompts wait, hold running decodes back for up to this long "
+                                              "each (plus one step) so the prompts prefill first: lower TTFT under "
+                                              "bursts for longer gaps between tokens; 0 mixes every decode into "
+                                              "every step, as vLLM v1 does")
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
     preemption_mode: str | None = _arg(None, "default: swap for multi-sequence requests, else recompute",
                                        choices=["recompute", "swap"])
@@ -160,6 +164,9 @@ class EngineArgs:
                 "when chunked prefill is disabled")
         if batched < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {batched}")
+        if not 0 <= self.max_decode_stall_ms < float("inf"):
+            raise ValueError(f"max_decode_stall_ms must be a finite number of ms, 0 or more, got "
+                             f"{self.max_decode_stall_ms}")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -171,7 +178,8 @@ class EngineArgs:
                 sliding_window=kv_sliding_window(model_config.hf_config)),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_len,
-                enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode),
+                enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode,
+                max_decode_stall_ms=self.max_decode_stall_ms),
             parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.ray_address),
             device=device, seed=self.seed, attention_backend=backend,
             request_limits=RequestLimits(self.max_num_seqs, self.max_logprobs,

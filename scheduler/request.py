@@ -116,6 +116,7 @@ class Request:
     num_preemptions: int = 0
     num_resumes: int = 0  # times its workers failed under it and it started over from its tokens
     first_scheduled_time: float | None = None
+    last_scheduled_time: float = 0.0  # the schedule() that last gave it tokens (a held decode's wait counts from it)
     cache_salt: str | None = None
     seed: int = 0  # the base seed; completion i samples with child_seed(seed, i)
     next_seq_index: int = 1

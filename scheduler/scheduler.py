@@ -5,6 +5,8 @@ of them (capped by the token budget), which covers prefill, chunked prefill, dec
 recompute-after-preemption alike. A sequence samples when its scheduled chunk reaches its last token.
 When blocks run out the latest arrival is preempted: its KV is dropped and recomputed later, or,
 for requests with several sequences (parallel sampling, beams), swapped out to CPU blocks.
+With ``max_decode_stall_ms`` set, running decodes sit out steps while prompts wait (prefill first), each for at most
+that long since it last ran.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import bisect
 import itertools
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.outputs import EngineCoreOutput
@@ -22,6 +25,13 @@ from pagedserve.scheduler.request import FINISH_REASONS, Request, RequestStatus,
 from pagedserve.scheduler.spec_decode import propose_ngram
 from pagedserve.scheduler.stats import SchedulerStats
 from pagedserve.scheduler.structured_output import StructuredOutputManager
+
+
+@dataclass
+class _StepBudget:
+    tokens: int  # left to schedule this step
+    preempted: bool = False
+    prefilling: bool = False  # a prompt chunk is in this step
 
 
 class Scheduler:
@@ -205,53 +215,42 @@ class Scheduler:
         out = SchedulerOutput()
         if self.structured is not None:
             self._fail_grammars()
-        budget = self.config.max_num_batched_tokens
-        preempted = False
+        step = _StepBudget(self.config.max_num_batched_tokens)
         spec = self.spec_config
         if spec is not None and sum(len(r.live_seqs) for r in self.running) > spec.max_batch_size:
             spec = None  # a batch this wide keeps the hardware busy: drafts would cost more than they save
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if spec is not None:
-                self._propose(req, spec, budget)
-            n = self._admit_tokens(req, budget)
-            if n <= 0:
-                _drop_drafts(req)
-                break
-            if not self._allocate(req, n, out):
-                preempted = True
-                while self.running[-1] is not req and not self._allocate(req, n, out):
-                    self._preempt(self.running[-1], out)
-                if self.running[-1] is req and not self._allocate(req, n, out):
-                    self._preempt(req, out)
-                    break
-            budget -= self._schedule_request(out, req, n)
-            i += 1
+        now = time.monotonic()
+        held = self._held_decodes(now)
+        self._schedule_running(out, step, spec, now, held, held_only=False)
 
-        if not preempted:
-            while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if not step.preempted:
+            while self.swapped and step.tokens > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.swapped[0]
-                n = self._admit_tokens(req, budget)
+                n = self._admit_tokens(req, step.tokens)
                 if n <= 0 or not self._swap_in(req, n, out):
                     break
                 self.swapped.popleft()
                 if not self._allocate(req, n, out):
                     raise RuntimeError("swap-in reserved too few blocks")
                 bisect.insort(self.running, req, key=lambda r: r.arrival_index)
-                budget -= self._schedule_request(out, req, n)
+                req.last_scheduled_time = now
+                step.tokens -= self._schedule_request(out, req, n)
 
         j = 0  # FCFS, except that a request whose grammar is still compiling lets the ones behind it go first
-        while (j < len(self.waiting) and budget > 0 and not preempted and not self.swapped
+        while (j < len(self.waiting) and step.tokens > 0 and not step.preempted and not self.swapped
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[j]
             if self.structured is not None and not self.structured.ready(req.request_id):
                 j += 1
                 continue
-            if not self._admit(req, budget, out):
+            if not self._admit(req, step.tokens, out):
                 break
-            budget -= self._schedule_request(out, req, self._admit_tokens(req, budget))
+            req.last_scheduled_time = now
+            step.prefilling = True
+            step.tokens -= self._schedule_request(out, req, self._admit_tokens(req, step.tokens))
+        if held and not step.prefilling:  # no prompt could start after all (blocks, grammars compiling): decode now
+            self._schedule_running(out, step, spec, now, held, held_only=True)
 
         if self._constrained_rows:
             out.grammar_bitmask, out.grammar_rows = self.structured.bitmask(self._constrained_rows,
@@ -261,6 +260,49 @@ class Scheduler:
         self.stats.num_scheduled_tokens += out.total_num_scheduled_tokens
         self._record_stats()
         return out
+
+    def _held_decodes(self, now: float) -> set[str]:
+        """Running decodes to hold back this step so that prompts prefill first (lower TTFT under bursts, wider
+        decode batches after), each for at most ``max_decode_stall_ms`` since it last ran."""
+        limit = self.config.max_decode_stall_ms / 1e3
+        if limit <= 0 or self.swapped:
+            return set()
+        if not (any(_prefilling(r) for r in self.running)
+                or (self.waiting and len(self.running) < self.config.max_num_seqs)):
+            return set()
+        return {r.request_id for r in self.running if not _prefilling(r) and now - r.last_scheduled_time < limit}
+
+    def _schedule_running(self, out: SchedulerOutput, step: _StepBudget, spec: SpeculativeConfig | None,
+                          now: float, held: set[str], held_only: bool) -> None:
+        """Schedule the running requests in arrival order (the held decodes, or all but them), preempting the
+        latest arrivals when blocks run out."""
+        i = 0
+        while i < len(self.running) and step.tokens > 0:
+            req = self.running[i]
+            if (req.request_id in held) != held_only:
+                i += 1
+                continue
+            if spec is not None:
+                self._propose(req, spec, step.tokens)
+            n = self._admit_tokens(req, step.tokens)
+            if n <= 0:
+                _drop_drafts(req)
+                break
+            if not self._allocate(req, n, out):
+                step.preempted = True
+                # The latest arrivals go first, but never one already in this step (a decode held back lets
+                # later ones run before it).
+                fits = False
+                while not fits and self.running[-1] is not req and not _in_step(self.running[-1], out):
+                    self._preempt(self.running[-1], out)
+                    fits = self._allocate(req, n, out)
+                if not fits:
+                    self._preempt(req, out)
+                    break
+            step.prefilling = step.prefilling or _prefilling(req)
+            req.last_scheduled_time = now
+            step.tokens -= self._schedule_request(out, req, n)
+            i += 1
 
     def _fail_grammars(self) -> None:
         """End the waiting requests whose grammar failed to compile or timed out: they hold no KV blocks yet."""
@@ -535,6 +577,15 @@ class Scheduler:
         if (sp.max_tokens is not None and n_out >= sp.max_tokens) or seq.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _in_step(req: Request, out: SchedulerOutput) -> bool:
+    return any(s.seq_id in out.num_scheduled_tokens for s in req.live_seqs)
+
+
+def _prefilling(req: Request) -> bool:
+    """A prompt (or a preempted sequence's recompute) still has tokens to run before its next sample."""
+    return any(s.num_tokens - s.num_computed_tokens > 1 for s in req.live_seqs)
 
 
 def _reset_for_recompute(seq: Sequence) -> None:

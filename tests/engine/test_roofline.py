@@ -40,17 +40,24 @@ def test_model_flops_count_prompts_decodes_and_attention(roofline):
     assert slower.floor_s > r.floor_s and 0 < r.mfu(r.floor_s, 1e12) < 1
 
 
+@pytest.mark.parametrize("stall_ms", [0, 60_000])
 @pytest.mark.parametrize("budget", [64, 2048])
-def test_replay_takes_the_engines_steps(roofline, llama_dir, budget):
+def test_replay_takes_the_engines_steps(roofline, llama_dir, budget, stall_ms):
     with open(os.path.join(llama_dir, "config.json")) as f:
         cfg = json.load(f)
     prompts, outs = _workload(24, seed=budget)
-    llm = LLM(llama_dir, seed=0, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    llm = LLM(llama_dir, seed=0, max_num_batched_tokens=budget, enable_prefix_caching=False,
+              max_decode_stall_ms=stall_ms)
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs], use_tqdm=False)
     steps = llm.llm_engine.core.scheduler.stats.num_steps
-    r = roofline.roofline(cfg, [len(p) for p in prompts], outs, 4, 1e12, 1e11, max_num_batched_tokens=budget)
+    r = roofline.roofline(cfg, [len(p) for p in prompts], outs, 4, 1e12, 1e11, max_num_batched_tokens=budget,
+                          prefill_first=stall_ms > 0)
     assert r.steps == steps
+    if budget == 64:  # prompts outgrow one step: the two schedules differ
+        other = roofline.roofline(cfg, [len(p) for p in prompts], outs, 4, 1e12, 1e11, max_num_batched_tokens=budget,
+                                  prefill_first=stall_ms == 0)
+        assert other.steps != steps
 
 
 def test_results_files_are_named_by_cpu_model(load_benchmark):

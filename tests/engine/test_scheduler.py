@@ -26,7 +26,7 @@ def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 def test_chunked_prefill_same_outputs(llama_dir, reference):
     prompts, expected = reference
-    llm = LLM(llama_dir, max_num_batched_tokens=7)
+    llm = LLM(llama_dir, max_num_batched_tokens=7, max_decode_stall_ms=0)  # vLLM v1's mixing
     seen_mixed = []
     sched = llm.llm_engine.core.scheduler
     orig = sched.schedule
@@ -49,6 +49,28 @@ def test_preemption_same_outputs(llama_dir, reference):
     llm = LLM(llama_dir, num_gpu_blocks_override=10)
     assert _tokens(llm, prompts) == expected
     assert llm.llm_engine.core.scheduler.stats.num_preemptions["recompute"] > 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("blocks", [None, 10])
+def test_decode_stall_same_outputs(llama_dir, reference, blocks):
+    """Holding decodes back while prompts prefill changes which rows share a step, never a token."""
+    prompts, expected = reference
+    llm = LLM(llama_dir, max_num_batched_tokens=16, max_decode_stall_ms=60_000, num_gpu_blocks_override=blocks)
+    sched = llm.llm_engine.core.scheduler
+    orig = sched.schedule
+    held = []
+
+    def spy():
+        decoding = {r.request_id for r in sched.running if r.seqs[0].num_tokens - r.seqs[0].num_computed_tokens == 1}
+        out = orig()
+        ran = {sched.seqs[i][0].request_id for i in out.num_scheduled_tokens}
+        held.append(bool(decoding - ran) and any(n > 1 for n in out.num_scheduled_tokens.values()))
+        return out
+
+    sched.schedule = spy
+    assert _tokens(llm, prompts) == expected
+    assert any(held), "no decode sat out a prefill step"
     assert_all_blocks_free(llm)
 
 

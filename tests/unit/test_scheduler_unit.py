@@ -22,7 +22,7 @@ import pytest
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.outputs import EngineCoreOutput, TokenLogprobs
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
-from pagedserve.scheduler import block_manager
+from pagedserve.scheduler import block_manager, scheduler
 from pagedserve.scheduler.block_manager import BlockPool, hash_block
 from pagedserve.scheduler.output import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus, Sequence, child_seed
@@ -198,10 +198,10 @@ class Harness:
     def __init__(self, *, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 64, max_model_len: int = 256, chunked: bool = True,
                  preemption_mode: str | None = None, prefix_caching: bool = False, num_cpu_blocks: int = 0,
-                 sharing: bool = True) -> None:
+                 sharing: bool = True, max_decode_stall_ms: float = 0.0) -> None:
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, enable_chunked_prefill=chunked,
-                                      preemption_mode=preemption_mode)
+                                      preemption_mode=preemption_mode, max_decode_stall_ms=max_decode_stall_ms)
         cache = CacheConfig(block_size=block_size, kv_cache_memory=None, num_gpu_blocks_override=None,
                             gpu_memory_utilization=0.9, enable_prefix_caching=prefix_caching, swap_space=0.0,
                             enable_block_sharing=sharing, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks)
@@ -317,6 +317,98 @@ def test_sequence_goes_out_in_full_once_then_only_new_tokens_and_blocks() -> Non
     s4 = h.step()
     assert s4.out.finished_seq_ids == {seq.seq_id} and s4.out.is_empty
     h.assert_all_free()
+
+
+# ---- prefill first: decodes held back while prompts wait -------------------------------------------------
+
+
+class Clock:
+    """The scheduler's ``time``: a monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(scheduler, "time", c)
+    return c
+
+
+def test_decode_stall_lets_waiting_prompts_prefill_first_for_at_most_the_limit(clock: Clock) -> None:
+    h = Harness(max_num_batched_tokens=8, max_decode_stall_ms=100)
+    a = h.add("a", prompt(3), SamplingParams(max_tokens=10))
+    sa = a.seqs[0].seq_id
+    h.step()
+    clock.now += 0.010
+    b = h.add("b", prompt(20, start=30), SamplingParams(max_tokens=3))
+    sb = b.seqs[0].seq_id
+    assert h.step().out.num_scheduled_tokens == {sb: 8}  # a decodes, but a prompt waits: a sits out
+    clock.now += 0.040
+    assert h.step().out.num_scheduled_tokens == {sb: 8}  # b's chunks go on alone: 50 ms since a ran
+    clock.now += 0.060
+    s = h.step()  # 110 ms: a runs again, beside b's last chunk
+    assert s.out.num_scheduled_tokens == {sa: 1, sb: 4}
+    assert s.result.seq_ids == [sa, sb]
+    assert h.step().out.num_scheduled_tokens == {sa: 1, sb: 1}  # nothing to prefill: every decode runs
+    h.run_until_done()
+    assert a.seqs[0].num_output_tokens == 10 and b.seqs[0].num_output_tokens == 3
+    h.assert_all_free()
+
+
+def test_without_decode_stall_every_decode_runs_beside_a_waiting_prompt() -> None:
+    h = Harness(max_num_batched_tokens=8)
+    a = h.add("a", prompt(3), SamplingParams(max_tokens=10))
+    h.step()
+    b = h.add("b", prompt(20, start=30), SamplingParams(max_tokens=3))
+    assert h.step().out.num_scheduled_tokens == {a.seqs[0].seq_id: 1, b.seqs[0].seq_id: 7}
+
+
+def test_held_decodes_run_in_the_same_step_when_no_prompt_can_start(clock: Clock) -> None:
+    h = Harness(num_blocks=4, block_size=4, max_num_batched_tokens=16, max_decode_stall_ms=1000)
+    a = h.add("a", prompt(3), SamplingParams(max_tokens=8, ignore_eos=True))
+    c = h.add("c", prompt(8, start=40), SamplingParams(max_tokens=8, ignore_eos=True))
+    h.step()  # 3 of the 4 blocks taken
+    b = h.add("b", prompt(12, start=60), SamplingParams(max_tokens=2))
+    s = h.step()  # b's 12 tokens need 3 blocks, 1 is free: it cannot start, so holding a and c would idle the step
+    assert s.out.num_scheduled_tokens == {a.seqs[0].seq_id: 1, c.seqs[0].seq_id: 1}
+    assert b in h.sched.waiting
+    h.run_until_done()
+    h.assert_all_free()
+
+
+def test_a_held_decode_short_of_blocks_never_preempts_a_request_already_in_the_step(clock: Clock) -> None:
+    h = Harness(num_blocks=3, block_size=4, max_num_batched_tokens=8, max_decode_stall_ms=100)
+    long = SamplingParams(max_tokens=5, ignore_eos=True)  # each request's worst case fits the pool alone
+    a = h.add("a", prompt(3), long)
+    h.step()  # a ran at 0 ms
+    clock.now += 0.050
+    c = h.add("c", prompt(4, start=30), long)
+    assert set(h.step().out.num_scheduled_tokens) == {c.seqs[0].seq_id}  # a held, c ran at 50 ms
+    clock.now += 0.070
+    h.add("z", prompt(2, start=50), SamplingParams(max_tokens=1))
+    assert set(h.step().out.num_scheduled_tokens) == {a.seqs[0].seq_id, 2}  # a and z ran at 120 ms, c held
+    clock.now += 0.060
+    h.add("b", prompt(8, start=60))  # needs 2 blocks, 1 is free: it cannot start, so a (held) runs after all
+    s = h.step()
+    # c (past its 100 ms) took the last free block first; a needs one for position 4, and c, the latest arrival,
+    # is already in the step: a itself goes back to wait.
+    assert s.out.num_scheduled_tokens == {c.seqs[0].seq_id: 1}
+    assert a in h.sched.waiting and a.num_preemptions == 1
+    h.run_until_done()
+    h.assert_all_free()
+
+
+def test_a_full_batch_does_not_hold_decodes_for_prompts_that_cannot_join(clock: Clock) -> None:
+    h = Harness(max_num_seqs=1, max_decode_stall_ms=1000)
+    a = h.add("a", prompt(3), SamplingParams(max_tokens=4))
+    h.step()
+    h.add("b", prompt(5, start=30))
+    assert h.step().out.num_scheduled_tokens == {a.seqs[0].seq_id: 1}
 
 
 # ---- chunked prefill -------------------------------------------------------------------------------------
@@ -1009,23 +1101,33 @@ def random_sampler(rng: random.Random) -> Sampler:
     return sample
 
 
-@pytest.mark.parametrize(("mode", "num_cpu_blocks", "sharing", "caching"), [
-    (None, 16, True, True),
-    ("recompute", 0, True, True),
-    ("swap", 3, True, False),
-    (None, 16, False, True),
+@pytest.mark.parametrize(("mode", "num_cpu_blocks", "sharing", "caching", "stall_ms"), [
+    (None, 16, True, True, 0),
+    ("recompute", 0, True, True, 0),
+    ("swap", 3, True, False, 0),
+    (None, 16, False, True, 0),
+    (None, 16, True, True, 50),
+    ("recompute", 0, True, True, 50),
 ])
 def test_random_workload_keeps_exact_accounting_and_frees_everything(
-        mode: str | None, num_cpu_blocks: int, sharing: bool, caching: bool) -> None:
+        mode: str | None, num_cpu_blocks: int, sharing: bool, caching: bool, stall_ms: float, clock: Clock) -> None:
     rng = random.Random(20240611)
     h = Harness(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=12, max_model_len=64,
-                preemption_mode=mode, num_cpu_blocks=num_cpu_blocks, sharing=sharing, prefix_caching=caching)
+                preemption_mode=mode, num_cpu_blocks=num_cpu_blocks, sharing=sharing, prefix_caching=caching,
+                max_decode_stall_ms=stall_ms)
     prefixes = [[rng.randrange(10, 60) for _ in range(8)] for _ in range(3)]
     sampler = random_sampler(rng)
+    held = 0  # steps that ran a prompt chunk while a running decode sat out
     for i in range(60):
         random_request(h, rng, i, prefixes)
         for _ in range(rng.randint(0, 2)):
-            h.step(sampler)
+            decoding = {r.request_id for r in h.sched.running if all(s.num_pending_tokens == 1 for s in r.live_seqs)}
+            clock.now += rng.uniform(0.0, 0.03)
+            out, result = h.schedule_and_execute(sampler)
+            n = out.num_scheduled_tokens
+            held += any(k > 1 for k in n.values()) and any(
+                r.request_id in decoding and not any(s.seq_id in n for s in r.live_seqs) for r in h.sched.running)
+            h.update(out, result)
         live = list(h.sched.requests.values())
         if live and rng.random() < 0.15:
             h.sched.abort_request(rng.choice(live).request_id)
@@ -1038,3 +1140,4 @@ def test_random_workload_keeps_exact_accounting_and_frees_everything(
     h.assert_all_free()
     # The workload did stress what it is meant to: preemption and copy-on-write happened.
     assert sum(h.sched.stats.num_preemptions.values()) > 0 and h.bm.num_copy_on_write > 0
+    assert (held > 0) == (stall_ms > 0)
