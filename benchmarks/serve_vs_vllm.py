@@ -55,6 +55,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REFERENCE_MODELS, RESULTS, Workload, make_workload, reference_model, results_path, save_results
 from serve import VLLM_VENV, Server, VllmServer, fresh_tokens, vllm_version, warm_up
 
+from pagedserve import EngineArgs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 VLLM_PYTHON = os.path.join(VLLM_VENV, "bin", "python")
 SYSTEMS = ("pagedserve", "vllm")
@@ -431,6 +433,7 @@ def main() -> None:
                 "max_num_seqs": args.max_num_seqs, "pagedserve_dtype": ps_dtype, "vllm_dtype": args.vllm_dtype,
                 "kv_cache_gib": args.kv_cache_gib, "kv_cache_dtype": args.kv_cache_dtype, "threads": threads,
                 "pagedserve_env": args.pagedserve_env,
+                "pagedserve_max_decode_stall_ms": EngineArgs().max_decode_stall_ms,  # its default; vLLM mixes
                 "pagedserve_engine_niceness": niceness, "server_starts": args.repeats,
                 "loadavg_1min_before_runs": {"min": min(loads), "max": max(loads)},
                 "token_count_problems": problems, "pagedserve_replica_failures": restarts}
