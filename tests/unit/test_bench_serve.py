@@ -34,3 +34,22 @@ def test_fresh_tokens_keep_lengths(bench):
     assert [len(p) for p in a.prompts] == [3, 10] and a.output_lens == [4, 9]
     assert a.prompts != b.prompts and all(3 <= t < 32000 for p in a.prompts for t in p)
     assert math.isnan(bench.percentiles([])["p99"])
+
+
+def test_served_tables_say_when_vllm_met_the_slo_at_no_rate(load_benchmark):
+    """Slow enough that vLLM keeps under half its requests within the SLO at every rate: no goodput rate to judge."""
+    svv, tables = load_benchmark("serve_vs_vllm"), load_benchmark("serve_tables")
+
+    def side(tok_s: float, met: int) -> dict:
+        lat = {"p50": 90.0, "p99": 120.0}
+        return {"output_tok_s": tok_s, "ttft_ms": lat, "tpot_ms": lat, "itl_ms": lat, "failed": 0,
+                "completed": 128, "slo_met": met, "slo_met_fraction": met / 128, "goodput_req_s": met / 20}
+
+    run = {"rate": "inf", "pagedserve": side(1000.0, 40), "vllm": side(750.0, 10),
+           "ratios": {"output_tok_s": 1000 / 750, "ttft_p50": 1.0, "tpot_p50": 1.0, "itl_p50": 1.0, "goodput": 4.0}}
+    targets = svv.verdict([run])
+    assert targets["goodput_rate"] is None and not targets["met"]
+    w = {"slo": {"ttft_ms": 2000.0, "tpot_ms": 100.0}, "loadavg_1min_before_runs": {"min": 1.0, "max": 2.0},
+         "requests": 128, "pagedserve_engine_niceness": 0, "date": "2026-11-30", "runs": [run], "targets": targets}
+    text = tables.workload_table("bench-llama-58m", "random", w)
+    assert "x1.33, goodput n/a" in text and text.endswith("not met.")
