@@ -390,8 +390,8 @@ def test_a_held_decode_short_of_blocks_never_preempts_a_request_already_in_the_s
     c = h.add("c", prompt(4, start=30), long)
     assert set(h.step().out.num_scheduled_tokens) == {c.seqs[0].seq_id}  # a held, c ran at 50 ms
     clock.now += 0.070
-    h.add("z", prompt(2, start=50), SamplingParams(max_tokens=1))
-    assert set(h.step().out.num_scheduled_tokens) == {a.seqs[0].seq_id, 2}  # a and z ran at 120 ms, c held
+    z = h.add("z", prompt(2, start=50), SamplingParams(max_tokens=1))
+    assert set(h.step().out.num_scheduled_tokens) == {a.seqs[0].seq_id, z.seqs[0].seq_id}  # 120 ms: c held
     clock.now += 0.060
     h.add("b", prompt(8, start=60))  # needs 2 blocks, 1 is free: it cannot start, so a (held) runs after all
     s = h.step()
