@@ -267,10 +267,10 @@ class Scheduler:
         limit = self.config.max_decode_stall_ms / 1e3
         if limit <= 0 or self.swapped:
             return set()
-        if not (any(_prefilling(r) for r in self.running)
-                or (self.waiting and len(self.running) < self.config.max_num_seqs)):
-            return set()
-        return {r.request_id for r in self.running if not _prefilling(r) and now - r.last_scheduled_time < limit}
+        decoding = [r for r in self.running if not _prefilling(r)]
+        if len(decoding) == len(self.running) and not (self.waiting and len(self.running) < self.config.max_num_seqs):
+            return set()  # no prompt to run first
+        return {r.request_id for r in decoding if now - r.last_scheduled_time < limit}
 
     def _schedule_running(self, out: SchedulerOutput, step: _StepBudget, spec: SpeculativeConfig | None,
                           now: float, held: set[str], held_only: bool) -> None:
