@@ -299,7 +299,8 @@ class Scheduler:
                 if not fits:
                     self._preempt(req, out)
                     break
-            step.prefilling = step.prefilling or _prefilling(req)
+            if held and not step.prefilling:  # read only to decide whether the held decodes run after all
+                step.prefilling = _prefilling(req)
             req.last_scheduled_time = now
             step.tokens -= self._schedule_request(out, req, n)
             i += 1
