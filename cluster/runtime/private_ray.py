@@ -33,6 +33,12 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 START_TIMEOUT_S = 120.0
 START_ATTEMPTS = 2
+# What nobody can read on a private head, whose processes would take it from the engine on a small host: Ray's own
+# metrics (exported through its dashboard agent, at ports nobody is told), workers started ahead for tasks the
+# server never runs, and the log monitor (it copies workers' logs to drivers, and the driver here takes none; the
+# files stay under the session's temp dir). Each is the operator's to turn back on through its environment variable.
+LEAN_HEAD_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_worker_prestart": "0",
+                 "RAY_prestart_worker_first_driver": "0"}
 
 
 class _HeadExited(Exception):
@@ -86,7 +92,7 @@ class PrivateRay:
             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
             "runtime-env-agent-port", "ray-client-server-port")]
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
-               "--include-dashboard=false", "--disable-usage-stats", "--block",
+               "--include-dashboard=false", "--include-log-monitor=false", "--disable-usage-stats", "--block",
                f"--temp-dir={self.temp_dir}", *ports, *([f"--num-cpus={self.num_cpus}"] if self.num_cpus else [])]
         # Token authentication (unless RAY_AUTH_MODE=disabled), set up as ray.init() does for a local instance: token
         # mode for this process (and so for the head, which inherits the environment) and a token on disk.
@@ -96,7 +102,8 @@ class PrivateRay:
         head_log = open(os.path.join(self.temp_dir, "head.log"), "wb")
         with head_log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=head_log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_die_with_parent, env=ray_env())
+                                         start_new_session=True, preexec_fn=_die_with_parent,
+                                         env={**LEAN_HEAD_ENV, **ray_env()})
         address = f"127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S
         # ray.init() against a GCS that is not up retries inside for minutes, blind to a head that has died: connect

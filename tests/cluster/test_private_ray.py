@@ -1,6 +1,7 @@
 """The private Ray head of a plain `serve`: a head that dies while starting is started again on fresh ports, the
 dead one's processes are all gone, and the warning carries what the head printed. Run in a child process, which
-becomes the head's driver as `serve` does; the head is killed for real (SIGKILL) before it is up."""
+becomes the head's driver as `serve` does; the head is killed for real (SIGKILL) before it is up. The head that
+comes up is lean: no workers started ahead, no log monitor."""
 from __future__ import annotations
 
 import json
@@ -36,10 +37,13 @@ SCRIPT = textwrap.dedent("""
     threading.Thread(target=kill_first_head, daemon=True).start()
     head = PrivateRay(num_cpus=1)
     head.start()
+    time.sleep(2)  # workers started ahead would be up by now
+    lean = [p.cmdline() for p in psutil.process_iter() if os.getsid(p.pid) == os.getsid(head.proc.pid)]
     answer = ray.get(ray.remote(lambda: 6 * 7).remote())
     first_session_left = [p.pid for p in psutil.process_iter() if os.getsid(p.pid) == killed["sid"]]
     head.stop()
-    print(json.dumps({"answer": answer, "warnings": warnings, "first_session_left": first_session_left}))
+    print(json.dumps({"answer": answer, "warnings": warnings, "first_session_left": first_session_left,
+                      "lean": lean}))
 """)
 
 
@@ -53,6 +57,11 @@ def test_a_head_killed_while_starting_is_started_again():
     assert len(result["warnings"]) == 1
     assert "exited with -9 while starting" in result["warnings"][0]
     assert "starting it again" in result["warnings"][0]
+    # Lean: no worker waits for tasks the server never runs, no log monitor copies logs to a driver taking none.
+    programs = [c[0] if c[0].startswith("ray::") else " ".join(os.path.basename(a) for a in c[:3])
+                for c in result["lean"]]
+    assert any(p.startswith("raylet") for p in programs), programs
+    assert not [p for p in programs if p.startswith(("ray::IDLE", "ray::Worker")) or "log_monitor.py" in p], programs
 
 
 
