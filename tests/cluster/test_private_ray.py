@@ -38,7 +38,13 @@ SCRIPT = textwrap.dedent("""
     head = PrivateRay(num_cpus=1)
     head.start()
     time.sleep(2)  # workers started ahead would be up by now
-    lean = [p.cmdline() for p in psutil.process_iter() if os.getsid(p.pid) == os.getsid(head.proc.pid)]
+    lean = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == os.getsid(head.proc.pid) and p.cmdline():
+                lean.append(p.cmdline())
+        except (psutil.Error, ProcessLookupError):  # gone meanwhile
+            pass
     answer = ray.get(ray.remote(lambda: 6 * 7).remote())
     first_session_left = [p.pid for p in psutil.process_iter() if os.getsid(p.pid) == killed["sid"]]
     head.stop()
