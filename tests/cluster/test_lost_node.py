@@ -33,7 +33,7 @@ def main(model_dir: str, new_dir: str) -> None:
     from pagedserve import LLM, SamplingParams
     from pagedserve.cluster.client import AsyncClient
     from pagedserve.engine.arg_utils import EngineArgs
-    from pagedserve.tests.server_thread import HealthWatch, ServerThread, free_port
+    from pagedserve.tests.server_thread import HealthWatch, ServerThread, add_node, free_port
 
     # The server's decisions with their times, in the stderr tail a failure shows.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -50,7 +50,7 @@ def main(model_dir: str, new_dir: str) -> None:
 
     phase("expected")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    nodes = [add_node(cluster, num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     srv = ServerThread(EngineArgs(model=model_dir, seed=0), data_parallel_size=2, http_port=free_port(),
@@ -87,7 +87,7 @@ def main(model_dir: str, new_dir: str) -> None:
         got = asyncio.run(streams(lose_node))
         report["lost_node_exact"] = sum(g == e for g, e in zip(got, expected))
         report["health_during_loss"] = list(health)
-        nodes.append(cluster.add_node(num_cpus=1))
+        nodes.append(add_node(cluster, num_cpus=1))
         while time.monotonic() - t0 < 180:
             with srv.client() as c:
                 if c.model_info().data_parallel_size == 2:
@@ -112,7 +112,7 @@ def main(model_dir: str, new_dir: str) -> None:
                 await asyncio.to_thread(cluster.remove_node, next(n for n in nodes if n.node_id == node_of(keep)))
                 report["scale_in_status"] = (await scale).status_code
 
-        nodes.append(cluster.add_node(num_cpus=1))  # room for the kept replica to come back
+        nodes.append(add_node(cluster, num_cpus=1))  # room for the kept replica to come back
         got = asyncio.run(streams(scale_in_losing_the_kept_node))
         report["scale_in_exact"] = sum(g == e for g, e in zip(got, expected))
         phase("scale_in")
@@ -123,7 +123,7 @@ def main(model_dir: str, new_dir: str) -> None:
                 scale = asyncio.create_task(http.post("/scale_elastic_ep", json={"new_data_parallel_size": 3}))
                 await asyncio.sleep(8)  # past the quick check for resources other groups hold
                 report["scale_out_pending"] = not scale.done()
-                nodes.append(cluster.add_node(num_cpus=1))  # main thread: it sets signal handlers
+                nodes.append(add_node(cluster, num_cpus=1))  # main thread: it sets signal handlers
                 report["scale_out_status"] = (await scale).status_code
 
         asyncio.run(scale_out_waiting_for_a_node())
@@ -150,7 +150,7 @@ def main(model_dir: str, new_dir: str) -> None:
                     f"the rollout reached replica {last.index} before its node could be lost: "
                     f"{[(r.index, r.retiring, r.alive, r.gone) for r in states]}")
                 await asyncio.to_thread(cluster.remove_node, next(n for n in nodes if n.node_id == node_of(last)))
-                nodes.append(cluster.add_node(num_cpus=1))  # main thread: it sets signal handlers
+                nodes.append(add_node(cluster, num_cpus=1))  # main thread: it sets signal handlers
                 response = await rollout
                 report["rollout_status"] = response.status_code
                 report["rollout_replicas"] = response.json().get("num_replicas")
