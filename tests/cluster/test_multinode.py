@@ -22,10 +22,10 @@ def main(model_dir: str) -> None:
 
     from pagedserve.cluster.client import AsyncClient
     from pagedserve.engine.arg_utils import EngineArgs
-    from pagedserve.tests.server_thread import ServerThread
+    from pagedserve.tests.server_thread import ServerThread, add_node
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
-    cluster.add_node(num_cpus=3)
+    add_node(cluster, num_cpus=3)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     srv = ServerThread(EngineArgs(model=model_dir, tensor_parallel_size=2, seed=0), data_parallel_size=2,
@@ -119,10 +119,10 @@ def policies(model_dir: str) -> None:
     from ray.cluster_utils import Cluster
 
     from pagedserve.engine.arg_utils import EngineArgs
-    from pagedserve.tests.server_thread import GatewayThread, ServerThread, free_port
+    from pagedserve.tests.server_thread import GatewayThread, ServerThread, add_node, free_port
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
+    add_node(cluster, num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     report = {}
