@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import psutil
 import uvloop
+from ray._private.node import Node
+from ray.cluster_utils import Cluster
 
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.entrypoints.gateway import GatewaySpec, run_gateway
@@ -61,7 +63,7 @@ def kill_ray_head(head: subprocess.Popen, temp_dir: str) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def add_node(cluster, **node_args):
+def add_node(cluster: Cluster, **node_args) -> Node:
     """``cluster.add_node`` (a ``ray.cluster_utils.Cluster``), tried once more where the node did not register within
     Ray's 30 s start-up wait. That happened in one of five runs of the lost-node test on a 2-core VM, right after a
     node was removed; Ray's own tests meet it too. What the failed try started (this process's new children, with
@@ -72,8 +74,9 @@ def add_node(cluster, **node_args):
     except Exception as e:
         if "timed out during startup" not in str(e):
             raise
-        strays = [p for p in psutil.Process().children() if p.pid not in before]
-        for p in strays:
+        started = [p for p in psutil.Process().children() if p.pid not in before]
+        strays = list(started)
+        for p in started:
             with contextlib.suppress(psutil.NoSuchProcess):
                 strays += p.children(recursive=True)
         for p in strays:
