@@ -65,7 +65,7 @@ def kill_ray_head(head: subprocess.Popen, temp_dir: str) -> None:
 
 def add_node(cluster: Cluster, **node_args) -> Node:
     """``cluster.add_node`` (a ``ray.cluster_utils.Cluster``), tried once more where the node did not register within
-    Ray's 30 s start-up wait. That happened in one of five runs of the lost-node test on a 2-core VM, right after a
+    Ray's 30 s start-up wait. That happened in one of twelve runs of the lost-node test on a 2-core VM, right after a
     node was removed; Ray's own tests meet it too. What the failed try started (this process's new children, with
     theirs) is killed first, so that no stray raylet outlives the test."""
     before = {p.pid for p in psutil.Process().children()}
