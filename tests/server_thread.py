@@ -56,11 +56,15 @@ def kill_ray_head(head: subprocess.Popen, temp_dir: str) -> None:
         procs = psutil.Process(head.pid).children(recursive=True)
         os.killpg(head.pid, signal.SIGKILL)
         head.wait(10)
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(procs, timeout=10)
+        _kill(procs)
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
 
 
 def add_node(cluster: Cluster, **node_args) -> Node:
@@ -79,10 +83,7 @@ def add_node(cluster: Cluster, **node_args) -> Node:
         for p in started:
             with contextlib.suppress(psutil.NoSuchProcess):
                 strays += p.children(recursive=True)
-        for p in strays:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(strays, timeout=10)
+        _kill(strays)
         print(f"add_node: {e}; killed {len(strays)} processes it left, trying once more", file=sys.stderr)
         return cluster.add_node(**node_args)
 
