@@ -128,7 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="bench-llama-58m", choices=sorted(REFERENCE_MODELS))
     ap.add_argument("--workloads", nargs="+", default=["alpaca", "sharegpt"], choices=sorted(SIZES))
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--pairs", type=int, default=2, help="alternating runs of each engine per workload and dtype")
     ap.add_argument("--requests", type=int, default=None, help="override the workloads' request counts")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],

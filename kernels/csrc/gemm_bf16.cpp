@@ -30,10 +30,10 @@ inline void store_out(bf16_t* y, __m512 v, __mmask16 m) {
 inline void store_out(float* y, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(y, m, v); }
 
 // y[r][0:ncols] = bias + sum_k x[r][k] * w[k] for rows r < MR of one panel; ncols <= 32. pf: where to prefetch
-// (into L2) as many bytes as the panel has, alongside its reads; or null.
+// pf_lines cache lines (into L2) alongside its reads; or null.
 template <int MR, typename Out>
 inline void bgemm_tile(const bf16_t* x, int64_t ldx, const bf16_t* p, int64_t K2, Out* y, int64_t ldy,
-                       int64_t ncols, const bf16_t* bias, const bf16_t* pf) {
+                       int64_t ncols, const bf16_t* bias, const bf16_t* pf, int64_t pf_lines) {
   __m512 a0[MR], a1[MR];
   auto cols = [](int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1); };
   const __mmask16 m0 = cols(ncols), m1 = cols(ncols - 16);
@@ -41,7 +41,7 @@ inline void bgemm_tile(const bf16_t* x, int64_t ldx, const bf16_t* p, int64_t K2
   const __m512 b1 = bias ? widen(bias + 16, m1) : _mm512_setzero_ps();
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) { a0[r] = b0; a1[r] = b1; }
-  dp_accumulate<MR>(a0, a1, x, ldx, p, K2, pf);
+  dp_accumulate<MR>(a0, a1, x, ldx, p, K2, pf, pf_lines);
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
     store_out(y + r * ldy, a0[r], m0);
@@ -51,7 +51,7 @@ inline void bgemm_tile(const bf16_t* x, int64_t ldx, const bf16_t* p, int64_t K2
 
 template <typename Out>
 using BTileFn = void (*)(const bf16_t*, int64_t, const bf16_t*, int64_t, Out*, int64_t, int64_t, const bf16_t*,
-                         const bf16_t*);
+                         const bf16_t*, int64_t);
 template <typename Out>
 constexpr BTileFn<Out> kBTiles[kBMR + 1] = {
     nullptr, bgemm_tile<1, Out>, bgemm_tile<2, Out>, bgemm_tile<3, Out>, bgemm_tile<4, Out>, bgemm_tile<5, Out>,
@@ -74,11 +74,16 @@ void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64
     const int64_t n0 = j * kBNR, ncols = std::min(kBNR, N - n0);
     const bf16_t* p = pp + j * K * kBNR;
     const bf16_t* pf = next < 0 ? nullptr : pp + next * K * kBNR;
-    for (int64_t m = m0; m < m1;) {
-      const int64_t mr = next_tile(m1 - m);
-      // The first tile over a panel also fetches this thread's next panel into L2.
+    int64_t tiles = 0;
+    for (int64_t m = m0; m < m1; m += next_tile(m1 - m)) ++tiles;
+    // The tiles over a panel fetch this thread's next panel into L2, an equal share each, so that the memory streams
+    // while every tile runs (with one tile fetching it all, a second tile from L2 left the memory idle).
+    const int64_t lines = K2 * kBNR * 2 * int64_t(sizeof(bf16_t)) / 64;
+    int64_t t = 0;
+    for (int64_t m = m0; m < m1; ++t) {
+      const int64_t mr = next_tile(m1 - m), l0 = t * lines / tiles, l1 = (t + 1) * lines / tiles;
       kBTiles<Out>[mr](xp + m * ldx, ldx, p, K2, yp + m * N + n0, N, ncols, bp ? bp + n0 : nullptr,
-                       m == m0 ? pf : nullptr);
+                       pf ? pf + l0 * 32 : nullptr, l1 - l0);
       m += mr;
     }
   };

@@ -43,24 +43,23 @@ void run_units(int64_t M, int64_t P, int64_t granule, int64_t block, Unit unit, 
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // The k loop of a vdpbf16ps row tile: a0[r], a1[r] (columns 0-15, 16-31) += the dot products of row r < MR of x
-// (bf16, rows ldx apart) with a 32-column panel in k-pair layout [K2][32][2], k pair by k pair; with Prefetch, as
-// many bytes from pf into L2 alongside. Row r is read at base[r / 5] + (r % 5) x ldx, offsets an x86 address forms
+// (bf16, rows ldx apart) with a 32-column panel in k-pair layout [K2][32][2], k pair by k pair; with Prefetch,
+// pf_lines cache lines from pf into L2 alongside, spread evenly over the k loop. Row r is read at base[r / 5] + (r % 5) x ldx, offsets an x86 address forms
 // from two strides (ldx, 3 ldx): 12 rows take 3 base registers, not 12 row pointers, which outnumbered the general
 // registers, so the compiler kept some in vector registers and moved them back every k pair.
 template <int MR, bool Prefetch>
 inline void dp_accumulate_rows(__m512* a0, __m512* a1, const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K2,
-                               const bf16_t* pf) {
+                               const bf16_t* pf, int64_t pf_lines) {
   constexpr int NB = (MR + 4) / 5;
   const int64_t ld = ldx * int64_t(sizeof(bf16_t)), ld3 = 3 * ld;
   const char* base[NB];
   for (int i = 0; i < NB; ++i) base[i] = reinterpret_cast<const char*>(x) + 5 * i * ld;
   const char* wp = reinterpret_cast<const char*>(w);
   const char* pp = reinterpret_cast<const char*>(pf);
+  int64_t due = 0;
   for (int64_t kk = 0; kk < K2; ++kk) {
     if constexpr (Prefetch) {
-      _mm_prefetch(pp, _MM_HINT_T1);
-      _mm_prefetch(pp + 64, _MM_HINT_T1);
-      pp += 128;
+      for (due += pf_lines; due >= K2; due -= K2, pp += 64) _mm_prefetch(pp, _MM_HINT_T1);
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 64);
@@ -81,9 +80,9 @@ inline void dp_accumulate_rows(__m512* a0, __m512* a1, const bf16_t* x, int64_t 
 // Shared by the bf16 GEMM and the int8 one's widened panels; pf null: no prefetch.
 template <int MR>
 inline void dp_accumulate(__m512* a0, __m512* a1, const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K2,
-                          const bf16_t* pf) {
-  if (pf != nullptr) dp_accumulate_rows<MR, true>(a0, a1, x, ldx, w, K2, pf);
-  else dp_accumulate_rows<MR, false>(a0, a1, x, ldx, w, K2, nullptr);
+                          const bf16_t* pf, int64_t pf_lines) {
+  if (pf != nullptr) dp_accumulate_rows<MR, true>(a0, a1, x, ldx, w, K2, pf, pf_lines);
+  else dp_accumulate_rows<MR, false>(a0, a1, x, ldx, w, K2, nullptr, 0);
 }
 #endif
 

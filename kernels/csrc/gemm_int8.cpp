@@ -197,7 +197,7 @@ void dp_tile(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K2, Out* y, 
   __m512 a0[MR], a1[MR];
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
-  dp_accumulate<MR>(a0, a1, x, ldx, w, K2, nullptr);
+  dp_accumulate<MR>(a0, a1, x, ldx, w, K2, nullptr, 0);
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) ep.store(y + r * ldy, (f32x16)a0[r], (f32x16)a1[r], ncols);
 }
