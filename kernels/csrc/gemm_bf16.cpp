@@ -11,7 +11,7 @@
 // a unit over the full K of its panel, so outputs are written once, rounded to bf16 (or kept fp32, for logits).
 // Every output is summed in k order whatever tile or thread its row lands in, and one CPU takes one kernel for every
 // row count, so a row's result is bitwise the same in any batch. Each thread prefetches its next panel into L2 while
-// the first row tile over the current one runs. docs/performance.md has the rates against oneDNN.
+// it runs the current one, each row tile taking an equal share. docs/performance.md has the rates against oneDNN.
 
 #include "gemm_bf16.h"
 
