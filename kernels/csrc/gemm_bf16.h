@@ -44,9 +44,10 @@ void run_units(int64_t M, int64_t P, int64_t granule, int64_t block, Unit unit, 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // The k loop of a vdpbf16ps row tile: a0[r], a1[r] (columns 0-15, 16-31) += the dot products of row r < MR of x
 // (bf16, rows ldx apart) with a 32-column panel in k-pair layout [K2][32][2], k pair by k pair; with Prefetch,
-// pf_lines cache lines from pf into L2 alongside, spread evenly over the k loop. Row r is read at base[r / 5] + (r % 5) x ldx, offsets an x86 address forms
-// from two strides (ldx, 3 ldx): 12 rows take 3 base registers, not 12 row pointers, which outnumbered the general
-// registers, so the compiler kept some in vector registers and moved them back every k pair.
+// pf_lines cache lines from pf into L2 alongside, spread evenly over the k loop. Row r is read at
+// base[r / 5] + (r % 5) x ldx, offsets an x86 address forms from two strides (ldx, 3 ldx): 12 rows take 3 base
+// registers, not 12 row pointers, which outnumbered the general registers, so the compiler kept some in vector
+// registers and moved them back every k pair.
 template <int MR, bool Prefetch>
 inline void dp_accumulate_rows(__m512* a0, __m512* a1, const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K2,
                                const bf16_t* pf, int64_t pf_lines) {
