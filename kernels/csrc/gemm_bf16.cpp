@@ -76,15 +76,12 @@ void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64
     const bf16_t* pf = next < 0 ? nullptr : pp + next * K * kBNR;
     int64_t tiles = 0;
     for (int64_t m = m0; m < m1; m += next_tile(m1 - m)) ++tiles;
-    // The tiles over a panel fetch this thread's next panel into L2, an equal share each, so that the memory streams
-    // while every tile runs (with one tile fetching it all, a second tile from L2 left the memory idle).
-    constexpr int64_t kLine = 64 / sizeof(bf16_t);  // elements a cache line holds
-    const int64_t lines = K * kBNR / kLine;
     int64_t t = 0;
     for (int64_t m = m0; m < m1; ++t) {
-      const int64_t mr = next_tile(m1 - m), l0 = t * lines / tiles, l1 = (t + 1) * lines / tiles;
-      kBTiles<Out>[mr](xp + m * ldx, ldx, p, K2, yp + m * N + n0, N, ncols, bp ? bp + n0 : nullptr,
-                       pf ? pf + l0 * kLine : nullptr, l1 - l0);
+      const int64_t mr = next_tile(m1 - m);
+      const PrefetchShare share(pf, K * kBNR * int64_t(sizeof(bf16_t)) / 64, t, tiles);
+      kBTiles<Out>[mr](xp + m * ldx, ldx, p, K2, yp + m * N + n0, N, ncols, bp ? bp + n0 : nullptr, share.from,
+                       share.lines);
       m += mr;
     }
   };

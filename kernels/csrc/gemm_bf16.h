@@ -41,6 +41,18 @@ void run_units(int64_t M, int64_t P, int64_t granule, int64_t block, Unit unit, 
   });
 }
 
+// What row tile t of `tiles` over a panel prefetches of the thread's next panel (pf, `lines` cache lines; or null):
+// an equal share each, so that the memory streams while every tile runs (with the first tile fetching it all, a
+// second one, running from L2, left the memory idle).
+struct PrefetchShare {
+  const bf16_t* from;
+  int64_t lines;
+  PrefetchShare(const void* pf, int64_t lines_all, int64_t t, int64_t tiles)
+      : from(pf == nullptr ? nullptr
+                           : reinterpret_cast<const bf16_t*>(static_cast<const char*>(pf) + t * lines_all / tiles * 64)),
+        lines((t + 1) * lines_all / tiles - t * lines_all / tiles) {}
+};
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // The k loop of a vdpbf16ps row tile: a0[r], a1[r] (columns 0-15, 16-31) += the dot products of row r < MR of x
 // (bf16, rows ldx apart) with a 32-column panel in k-pair layout [K2][32][2], k pair by k pair; with Prefetch,
