@@ -41,7 +41,7 @@ void run_units(int64_t M, int64_t P, int64_t granule, int64_t block, Unit unit, 
   });
 }
 
-// What row tile t of `tiles` over a panel prefetches of the thread's next panel (pf, `lines` cache lines; or null):
+// What row tile t of `tiles` over a panel prefetches of the thread's next panel (pf, lines_all cache lines; or null):
 // an equal share each, so that the memory streams while every tile runs (with the first tile fetching it all, a
 // second one, running from L2, left the memory idle).
 struct PrefetchShare {

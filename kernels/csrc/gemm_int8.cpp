@@ -8,8 +8,8 @@
 //
 // 4+ bf16 rows where the CPU has AVX512-BF16: each panel is first widened into a per-thread bf16 copy in
 // vdpbf16ps's k-pair layout (int8 -> bf16 is exact), which every row tile of the block then reads, at twice the
-// FMA path's multiply rate, while the tiles prefetch the next panel. vdpbf16ps adds the odd k's product, then the even k's, each exact and rounded once; the
-// FMA path takes each pair in that order too, so a row's result is bitwise the same in any batch, whichever path
+// FMA path's multiply rate, while the tiles prefetch the next panel. vdpbf16ps adds the odd k's product, then the
+// even k's, each exact and rounded once; the FMA path takes each pair in that order too, so a row's result is bitwise the same in any batch, whichever path
 // runs it (denormal activations aside, which vdpbf16ps flushes).
 //
 // Where the CPU has AMX, 4+ bf16 rows take the widened panels through AMX tiles (amx.h) instead: from 4 rows they
@@ -293,7 +293,7 @@ bool gemm_int8_dp_built() { return false; }
 #endif
 
 // Rows of bf16 activations from which the vdpbf16ps path runs (below, widening each panel costs more than it saves;
-// on Zen 5, 24 layers of the 0.5B shape cold: 2 rows 10.0 against 13.9 ms, 3 even, 4 14.7 against 12.7).
+// measured in docs/performance.md, "Weight-only int8").
 constexpr int64_t kDpMinRows = 4;
 
 void gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor bias, torch::Tensor out,
