@@ -48,8 +48,9 @@ struct PrefetchShare {
   const bf16_t* from;
   int64_t lines;
   PrefetchShare(const void* pf, int64_t lines_all, int64_t t, int64_t tiles)
-      : from(pf == nullptr ? nullptr
-                           : reinterpret_cast<const bf16_t*>(static_cast<const char*>(pf) + t * lines_all / tiles * 64)),
+      : from(pf == nullptr
+                 ? nullptr
+                 : reinterpret_cast<const bf16_t*>(static_cast<const char*>(pf) + t * lines_all / tiles * 64)),
         lines((t + 1) * lines_all / tiles - t * lines_all / tiles) {}
 };
 

@@ -9,8 +9,8 @@
 // 4+ bf16 rows where the CPU has AVX512-BF16: each panel is first widened into a per-thread bf16 copy in
 // vdpbf16ps's k-pair layout (int8 -> bf16 is exact), which every row tile of the block then reads, at twice the
 // FMA path's multiply rate, while the tiles prefetch the next panel. vdpbf16ps adds the odd k's product, then the
-// even k's, each exact and rounded once; the FMA path takes each pair in that order too, so a row's result is bitwise the same in any batch, whichever path
-// runs it (denormal activations aside, which vdpbf16ps flushes).
+// even k's, each exact and rounded once; the FMA path takes each pair in that order too, so a row's result is
+// bitwise the same in any batch, whichever path runs it (denormal activations aside, which vdpbf16ps flushes).
 //
 // Where the CPU has AMX, 4+ bf16 rows take the widened panels through AMX tiles (amx.h) instead: from 4 rows they
 // outrun the FMA tiles (below, widening each panel costs more than the FMA path's conversions). AMX sums 32 k a
