@@ -58,14 +58,6 @@ constexpr BTileFn<Out> kBTiles[kBMR + 1] = {
     bgemm_tile<6, Out>, bgemm_tile<7, Out>, bgemm_tile<8, Out>, bgemm_tile<9, Out>, bgemm_tile<10, Out>,
     bgemm_tile<11, Out>, bgemm_tile<12, Out>};
 
-// Rows of a block: tiles of 12, the remainder split into two near-equal tiles (13 rows: 7 + 6, not 12 + 1: a
-// one-row tile runs on two dependency chains, latency-bound).
-inline int64_t next_tile(int64_t left) {
-  if (left <= kBMR) return left;
-  if (left < 2 * kBMR) return (left + 1) / 2;
-  return kBMR;
-}
-
 template <typename Out>
 void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64_t K, int64_t P, int64_t N,
                const bf16_t* bp, Out* yp) {
@@ -74,16 +66,11 @@ void bgemm_run(const bf16_t* xp, int64_t ldx, const bf16_t* pp, int64_t M, int64
     const int64_t n0 = j * kBNR, ncols = std::min(kBNR, N - n0);
     const bf16_t* p = pp + j * K * kBNR;
     const bf16_t* pf = next < 0 ? nullptr : pp + next * K * kBNR;
-    int64_t tiles = 0;
-    for (int64_t m = m0; m < m1; m += next_tile(m1 - m)) ++tiles;
-    int64_t t = 0;
-    for (int64_t m = m0; m < m1; ++t) {
-      const int64_t mr = next_tile(m1 - m);
-      const PrefetchShare share(pf, K * kBNR * int64_t(sizeof(bf16_t)) / 64, t, tiles);
-      kBTiles<Out>[mr](xp + m * ldx, ldx, p, K2, yp + m * N + n0, N, ncols, bp ? bp + n0 : nullptr, share.from,
-                       share.lines);
-      m += mr;
-    }
+    row_tiles(m0, m1, kBMR, pf, K * kBNR * int64_t(sizeof(bf16_t)) / 64,
+              [&](int64_t m, int64_t mr, const PrefetchShare& share) {
+                kBTiles<Out>[mr](xp + m * ldx, ldx, p, K2, yp + m * N + n0, N, ncols, bp ? bp + n0 : nullptr,
+                                 share.from, share.lines);
+              });
   };
   run_units(M, P, kBMR, kBMC, unit, [] {}, [] {});
 }

@@ -54,6 +54,27 @@ struct PrefetchShare {
         lines((t + 1) * lines_all / tiles - t * lines_all / tiles) {}
 };
 
+// Rows of a block in tiles of mr, a remainder above mr split into two near-equal tiles (13 rows of 12: 7 + 6, not
+// 12 + 1: a one-row tile runs on two dependency chains, latency-bound).
+inline int64_t next_rows(int64_t left, int64_t mr) {
+  if (left <= mr) return left;
+  if (left < 2 * mr) return (left + 1) / 2;
+  return mr;
+}
+
+// Runs tile(m, rows, share) over the row tiles of [m0, m1) (next_rows of mr), each with its PrefetchShare of the
+// thread's next panel (pf, lines_all cache lines; or null).
+template <typename Tile>
+void row_tiles(int64_t m0, int64_t m1, int64_t mr, const void* pf, int64_t lines_all, Tile tile) {
+  int64_t tiles = 0;
+  for (int64_t m = m0; m < m1; m += next_rows(m1 - m, mr)) ++tiles;
+  for (int64_t m = m0, t = 0; m < m1; ++t) {
+    const int64_t rows = next_rows(m1 - m, mr);
+    tile(m, rows, PrefetchShare(pf, lines_all, t, tiles));
+    m += rows;
+  }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // The k loop of a vdpbf16ps row tile: a0[r], a1[r] (columns 0-15, 16-31) += the dot products of row r < MR of x
 // (bf16, rows ldx apart) with a 32-column panel in k-pair layout [K2][32][2], k pair by k pair; with Prefetch,

@@ -121,14 +121,6 @@ constexpr FmaTileFn<B, Out> kFmaTiles[9] = {
 // Panels per tile for a block of 1 or 2 rows: 8 accumulators, as a 4-row tile has.
 constexpr int kWidePanels1 = 4, kWidePanels2 = 2;
 
-// Rows of a block in tiles of mr, a remainder above mr split into two near-equal tiles (a one-row tile is
-// latency-bound).
-inline int64_t next_rows(int64_t left, int64_t mr) {
-  if (left <= mr) return left;
-  if (left < 2 * mr) return (left + 1) / 2;
-  return mr;
-}
-
 inline void nothing() {}
 
 template <typename B, typename Out>
@@ -221,15 +213,9 @@ void dp_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale, 
     const int64_t n0 = j * kQNR, ncols = std::min(kQNR, N - n0);
     const Epilogue<bf16_t> ep(scale + n0, bias ? bias + n0 : nullptr, ncols);
     const int8_t* pf = next < 0 ? nullptr : pp + next * K * kQNR;  // the next int8 panel, as the bf16 GEMM does
-    int64_t tiles = 0;
-    for (int64_t m = m0; m < m1; m += next_rows(m1 - m, kDMR)) ++tiles;
-    int64_t t = 0;
-    for (int64_t m = m0; m < m1; ++t) {
-      const int64_t rows = next_rows(m1 - m, kDMR);
-      const PrefetchShare share(pf, K * kQNR / 64, t, tiles);
+    row_tiles(m0, m1, kDMR, pf, K * kQNR / 64, [&](int64_t m, int64_t rows, const PrefetchShare& share) {
       kDpTiles<bf16_t, Out>[rows](x + m * ldx, ldx, w, K2, y + m * N + n0, N, ncols, ep, share.from, share.lines);
-      m += rows;
-    }
+    });
   }, nothing, nothing);
 }
 
