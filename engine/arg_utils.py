@@ -44,7 +44,7 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (Ray worker actors)", aliases=["-tp"])
     dtype: str = _arg("auto", "model and KV-cache dtype", choices=["auto", "float32", "float16", "bfloat16"])
     quantization: str | None = _arg(None, "quantize the weights at load: int8 = weight-only int8, per output "
-                                          "channel (embeddings and LM head stay in --dtype)",
+                                          "channel, the LM head's included (embeddings stay in --dtype)",
                                     choices=list(QUANTIZATION_METHODS), aliases=["-q"])
     device: str = _arg("auto", "auto: cuda when available, else cpu", choices=["auto", "cpu", "cuda"])
     seed: int = _arg(0, "engine seed (per-request seeds come from the sampling parameters)")

@@ -41,15 +41,23 @@ def _model(llm: LLM):
 
 @pytest.fixture(scope="module")
 def dequantized_dir(tmp_path_factory) -> str:
-    """The demo model with every linear weight replaced by its int8 dequantization ``q * scale`` (fp32)."""
+    """The demo model with every linear weight, the LM head's included, replaced by its int8 dequantization
+    ``q * scale`` (fp32); its tied LM head untied, as the embedding keeps its full-precision rows."""
     path = tmp_path_factory.mktemp("dequantized")
     src = default_model_dir()
     for name in os.listdir(src):
-        if name != "model.safetensors":
+        if name not in ("model.safetensors", "config.json"):
             shutil.copy(os.path.join(src, name), path)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
     tensors = load_file(os.path.join(src, "model.safetensors"))
+    if config.get("tie_word_embeddings", True):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        config["tie_word_embeddings"] = False
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
     for name, w in tensors.items():
-        if LINEAR.search(name):
+        if LINEAR.search(name) or name == "lm_head.weight":
             q, scale = torch_ref.quantize_int8(w)
             tensors[name] = q.float() * scale[:, None]
     save_file({k: v.float().contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
@@ -93,7 +101,13 @@ def test_linears_are_int8_and_the_rest_is_not(int8_llm):
             assert m.panel_weight.panels.dtype == torch.int8
         else:
             assert m.weight.dtype == torch.int8
-    assert model.model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float32)
+    head, embedding = model.lm_head, model.model.embed_tokens.weight
+    assert head.weight_scale.dtype == torch.float32  # the tied LM head has an int8 weight of its own
+    if cpu_gemm_int8.available():
+        assert isinstance(head.panel_weight, cpu_gemm_int8.Int8PanelWeight) and head.weight.numel() == 0
+    else:
+        assert head.weight.dtype == torch.int8
+    assert embedding.dtype in (torch.bfloat16, torch.float32) and embedding.numel() > 0
     if cpu_gemm_int8.available():  # the one-call C++ layers run the int8 panels
         assert len(model.model.cpu_layers.weights) == len(model.model.layers)
     quantized = sum(m.panel_weight.panels.numel() if hasattr(m, "panel_weight") else m.weight.numel()

@@ -10,7 +10,7 @@ from torch import nn
 from pagedserve.kernels import cpu_gemm_bf16, cpu_gemm_int8, torch_ref
 from pagedserve.worker.cpu.packed_linear import linear
 from pagedserve.worker.cpu.packing import pack_linears
-from pagedserve.worker.layers.embedding import ParallelLMHead
+from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedserve.worker.layers.quantization import quantize_linears
 
@@ -98,30 +98,37 @@ def test_quantize_int8_per_output_channel():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("int8_panels", [True, False])
 def test_quantized_linears_packed_or_reference(dtype, int8_panels):
-    """quantize_linears turns the linears' weights into int8 + fp32 scales, leaving the LM head; pack_linears puts
-    them in int8 panels (freeing the int8 weight) or, without, they run the torch reference: same results."""
+    """quantize_linears turns the linears' weights, the tied LM head's included, into int8 + fp32 scales, leaving
+    the embedding the head is tied to; pack_linears puts them in int8 panels (freeing the int8 weight) or, without,
+    they run the torch reference: same results."""
     qkv = QKVParallelLinear(64, 16, 4, 2, bias=True)
     row = RowParallelLinear(128, 64, bias=True)
+    embedding = VocabParallelEmbedding(300, 64)
     head = ParallelLMHead(300, 64)
-    model = nn.ModuleList([qkv, row, head]).to(dtype)
+    head.tie_to(embedding)
+    model = nn.ModuleList([qkv, row, embedding, head]).to(dtype)
     g = torch.Generator().manual_seed(5)
     for p in model.parameters():
         p.data = torch.randn(p.shape, generator=g).to(dtype)
-    full = {m: m.weight.detach().clone() for m in (qkv, row)}
-    assert quantize_linears(model, "int8") == 2
-    assert head.weight.dtype == dtype and not hasattr(head, "weight_scale")
-    for m in (qkv, row):
+    full = {m: m.weight.detach().clone() for m in (qkv, row, head)}
+    assert quantize_linears(model, "int8") == 3
+    assert embedding.weight.dtype == dtype and torch.equal(embedding.weight, full[head])
+    for m in (qkv, row, head):
         assert m.weight.dtype == torch.int8 and m.weight_scale.shape == (m.weight.shape[0],)
         q, scale = torch_ref.quantize_int8(full[m])
         assert torch.equal(m.weight, q) and torch.equal(m.weight_scale, scale)
-    xs = {qkv: torch.randn(7, 64, generator=g).to(dtype), row: torch.randn(7, 128, generator=g).to(dtype)}
+    xs = {qkv: torch.randn(7, 64, generator=g).to(dtype), row: torch.randn(7, 128, generator=g).to(dtype),
+          head: torch.randn(7, 64, generator=g).to(dtype)}
     want = {m: torch_ref.int8_linear(xs[m], m.weight, m.weight_scale, m.bias) for m in (qkv, row)}
+    want[head] = torch_ref.int8_linear(xs[head], head.weight, head.weight_scale, out_dtype=torch.float32)
+    ids = torch.tensor([0, 5, 299])
     pack_linears(model, int8_panels=int8_panels)
-    for m in (qkv, row):
+    assert torch.equal(embedding(ids), full[head][ids])
+    for m in (qkv, row, head):
         packed = isinstance(getattr(m, "panel_weight", None), cpu_gemm_int8.Int8PanelWeight)
         assert packed == int8_panels and (m.weight.numel() == 0) == int8_panels
-        got = linear(m, xs[m], m.bias)
-        assert got.dtype == dtype
+        got = head.compute_logits(xs[m]) if m is head else linear(m, xs[m], m.bias)
+        assert got.dtype == (torch.float32 if m is head else dtype)
         torch.testing.assert_close(got.float(), want[m].float(), atol=1e-5 * 128, rtol=2 ** -7)
 
 

@@ -1,8 +1,9 @@
-"""Weight-only int8 (``quantization="int8"``): after loading, every linear layer's weight (each rank's own shard)
-becomes int8 ``[N, K]`` with fp32 per-output-channel scales ``weight_scale [N]`` (``torch_ref.quantize_int8``),
-replacing the full-precision weight. What stays unquantized: embeddings and the LM head (often the same tied
-tensor), norms, and MoE routers (a tiny matrix whose rounding would move tokens between experts); MoE experts are
-quantized like any linear. ``worker.cpu.linear`` runs the layers (the int8 panel GEMM on CPU, the torch reference
+"""Weight-only int8 (``quantization="int8"``): after loading, every linear layer's weight (each rank's own shard),
+the LM head's included, becomes int8 ``[N, K]`` with fp32 per-output-channel scales ``weight_scale [N]``
+(``torch_ref.quantize_int8``), replacing the full-precision weight. A LM head tied to the input embedding gets an
+int8 weight of its own: the embedding keeps the full-precision rows it looks up. What stays unquantized: embeddings,
+norms, and MoE routers (a tiny matrix whose rounding would move tokens between experts); MoE experts are quantized
+like any linear. ``worker.cpu.linear`` runs the layers (the int8 panel GEMM on CPU, the torch reference
 elsewhere)."""
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.torch_ref import quantize_int8
+from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedserve.worker.layers.moe import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
-LINEAR_TYPES = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)
+LINEAR_TYPES = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
 def quantize_linears(model: nn.Module, method: str) -> int:
@@ -32,7 +34,8 @@ def quantize_linears(model: nn.Module, method: str) -> int:
         w = module.weight.detach()
         q, scale = quantize_int8(w)
         before += w.numel() * w.element_size()
-        module.weight = nn.Parameter(q, requires_grad=False)  # the full-precision tensor goes with the old one
+        # the full-precision tensor goes with the old Parameter, unless a tied embedding holds it too
+        module.weight = nn.Parameter(q, requires_grad=False)
         module.weight_scale = nn.Parameter(scale, requires_grad=False)
         after += q.numel() + scale.numel() * 4
         count += 1
