@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import cpu_extension
+from pagedserve.kernels.cpu_gemm import gemm_output
 
 PANEL = 32
 _NO_BIAS = torch.empty(0)
@@ -56,14 +57,15 @@ def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> BF16Pa
 
 
 def gemm(x: torch.Tensor, weight: BF16PanelWeight, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype = torch.bfloat16, use_amx: bool = True) -> torch.Tensor:
+         out_dtype: torch.dtype = torch.bfloat16, use_amx: bool = True,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + bias`` for bf16 ``x [..., K]``, ``weight = pack_weight(w)`` and a bf16 ``bias``, summed in fp32
-    (the bias too) and rounded once to bf16, or kept in fp32 (``out_dtype``). ``use_amx=False`` takes the
-    AVX512-BF16 kernel on an AMX CPU too (tests, benchmarks)."""
+    (the bias too) and rounded once to bf16, or kept in fp32 (``out_dtype``), written into ``out`` (contiguous
+    ``[rows, N]``) if given. ``use_amx=False`` takes the AVX512-BF16 kernel on an AMX CPU too (tests, benchmarks)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1 or rows.stride(0) % 2:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], weight.out_features, dtype=out_dtype)
+    out = gemm_output(rows, weight.out_features, out_dtype, out)
     cpu_extension.load().gemm_bf16(rows, weight.panels, _NO_BIAS if bias is None else bias.contiguous(), out,
                                    use_amx)
     return out.view(*x.shape[:-1], weight.out_features)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import cpu_extension
+from pagedserve.kernels.cpu_gemm import gemm_output
 
 PANEL = 32
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
@@ -53,14 +54,15 @@ def pack_weight(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | N
 
 
 def gemm(x: torch.Tensor, weight: Int8PanelWeight, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, use_amx: bool = True) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, use_amx: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """``(x @ q.T) * scale + bias`` for fp32 or bf16 ``x [..., K]``, ``weight = pack_weight(q, scale)`` and a
-    ``bias`` of x's dtype, summed in fp32 and rounded once to x's dtype, or kept fp32 (``out_dtype``). From 4 bf16
-    rows on AMX tiles where the CPU has them, unless ``use_amx=False`` (tests, benchmarks)."""
+    ``bias`` of x's dtype, summed in fp32 and rounded once to x's dtype, or kept fp32 (``out_dtype``), written into
+    ``out`` (contiguous ``[rows, N]``) if given. From 4 bf16 rows on AMX tiles where the CPU has them, unless
+    ``use_amx=False`` (tests, benchmarks)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], weight.out_features, dtype=out_dtype or x.dtype)
+    out = gemm_output(rows, weight.out_features, out_dtype or x.dtype, out)
     cpu_extension.load().gemm_int8(rows, weight.panels, weight.scale, _NO_BIAS if bias is None else bias.contiguous(),
                                    out, use_amx)
     return out.view(*x.shape[:-1], weight.out_features)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import cpu_gemm_bf16
-from pagedserve.worker.cpu.packed_linear import linear
+from pagedserve.worker.cpu.packed_linear import REUSED_OUT_ROWS, linear
 from pagedserve.worker.cpu.packing import pack_linears
 from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -98,6 +98,16 @@ def test_packed_bf16_linears_and_lm_head():
     logits = head.compute_logits(hidden)
     assert logits.dtype == torch.float32 and logits.shape == (5, 1000)
     torch.testing.assert_close(logits.double(), _exact(hidden, head_weight, None), atol=1e-4, rtol=1e-5)
+    # Up to REUSED_OUT_ROWS rows, logits land in a buffer the head keeps: the next call writes over them.
+    again = head.compute_logits(hidden[:3])
+    assert again.data_ptr() == logits.data_ptr()
+    torch.testing.assert_close(again.double(), _exact(hidden[:3], head_weight, None), atol=1e-4, rtol=1e-5)
+    many = _bf16(REUSED_OUT_ROWS + 1, 64, gen=g)
+    fresh = head.compute_logits(many)
+    assert fresh.data_ptr() != logits.data_ptr() and fresh.shape == (REUSED_OUT_ROWS + 1, 1000)
+    torch.testing.assert_close(fresh.double(), _exact(many, head_weight, None), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        cpu_gemm_bf16.gemm(hidden, head.panel_weight, out=torch.empty(5, 999))
 
 
 def test_oneDNN_layout_without_bf16_panels():

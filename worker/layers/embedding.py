@@ -64,6 +64,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 where the bf16 panel GEMM computes them (its fp32 sums, not rounded to bf16 first), else
-        in the model dtype; the sampler works on fp32 either way."""
-        logits = linear(self, hidden_states, self.bias, out_dtype=torch.float32)
+        in the model dtype; the sampler works on fp32 either way. They are used up before the next call (the model
+        runner samples from them, or takes prompt logprobs), so the panel GEMMs write into a kept buffer."""
+        logits = linear(self, hidden_states, self.bias, out_dtype=torch.float32, reuse_out=True)
         return all_gather_last_dim(logits)[..., : self.num_embeddings]
