@@ -2,7 +2,7 @@
 32-column panels, activations and outputs in fp32 or bf16 (:func:`torch_ref.int8_linear` is the spec).
 
 The kernel: ``csrc/gemm_int8.cpp`` (FMA tiles everywhere; for bf16 rows AMX tiles from 4 rows where the CPU has
-AMX, else AVX512-BF16 dot products from 16 where built).
+AMX, else AVX512-BF16 dot products from 7 where built).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 // (fp32, or bf16 widened once per call, also exact) in FMAs; the per-channel scale and the bias are applied once
 // per output, which is then written once (rounded to bf16 for bf16 activations, or kept fp32 for logits).
 //
-// 4+ bf16 rows where the CPU has AVX512-BF16: each panel is first widened into a per-thread bf16 copy in
+// 7+ bf16 rows where the CPU has AVX512-BF16: each panel is first widened into a per-thread bf16 copy in
 // vdpbf16ps's k-pair layout (int8 -> bf16 is exact), which every row tile of the block then reads, at twice the
 // FMA path's multiply rate, while the tiles prefetch the next panel. vdpbf16ps adds the odd k's product, then the
 // even k's, each exact and rounded once; the FMA path takes each pair in that order too, so a row's result is
@@ -79,10 +79,11 @@ struct Epilogue {
 // y[r][32i : 32i + ncols_i] = epilogue_i(sum_k x[r][k] * p_i[k][0:32]) for rows r < MR and NP consecutive panels
 // p_i = p + i K 32 (several panels give one or two rows enough independent FMA chains to stream weights rather than
 // wait on FMA latency; each output is still summed in the same order). fp32 activations; k in pairs, odd before
-// even (see the top), then the last k of an odd K.
+// even (see the top), then the last k of an odd K. Alongside, pf_lines cache lines from pf (the thread's next
+// panels, or null) into L2, spread over the k loop.
 template <int MR, int NP, typename B, typename Out>
 void fma_tile(const float* x, int64_t ldx, const int8_t* p, int64_t K, Out* y, int64_t ldy, const int64_t* ncols,
-              const Epilogue<B>* ep) {
+              const Epilogue<B>* ep, const void* pf, int64_t pf_lines) {
   f32x16 a0[NP][MR], a1[NP][MR];
   for (int i = 0; i < NP; ++i)
     for (int r = 0; r < MR; ++r) { a0[i][r] = f32x16{}; a1[i][r] = f32x16{}; }
@@ -100,9 +101,13 @@ void fma_tile(const float* x, int64_t ldx, const int8_t* p, int64_t K, Out* y, i
     }
   };
   const int64_t K2 = K / 2;
+  const char* next = static_cast<const char*>(pf);
+  int64_t due = 0;
   for (int64_t kk = 0; kk < K2; ++kk) {
     for (int i = 0; i < NP; ++i)  // 1 KiB ahead: the hardware prefetcher stops at pages
       __builtin_prefetch(p + i * K * kQNR + (2 * kk + 32) * kQNR, 0, 3);
+    if (next != nullptr)
+      for (due += pf_lines; due >= K2; due -= K2, next += 64) __builtin_prefetch(next, 0, 2);
     step(2 * kk + 1);
     step(2 * kk);
   }
@@ -113,7 +118,7 @@ void fma_tile(const float* x, int64_t ldx, const int8_t* p, int64_t K, Out* y, i
 
 template <typename B, typename Out>
 using FmaTileFn = void (*)(const float*, int64_t, const int8_t*, int64_t, Out*, int64_t, const int64_t*,
-                           const Epilogue<B>*);
+                           const Epilogue<B>*, const void*, int64_t);
 template <typename B, typename Out>
 constexpr FmaTileFn<B, Out> kFmaTiles[9] = {
     nullptr, fma_tile<1, 1, B, Out>, fma_tile<2, 1, B, Out>, fma_tile<3, 1, B, Out>, fma_tile<4, 1, B, Out>,
@@ -129,8 +134,12 @@ void fma_run(const float* x, int64_t ldx, const int8_t* pp, const float* scale, 
   const int64_t mr = kQMR;
   // Decode with one or two rows: units of np panels, run by one wide tile (or narrow ones for a short last group).
   const int64_t np = M == 1 ? kWidePanels1 : M == 2 ? kWidePanels2 : 1, groups = (P + np - 1) / np;
-  run_units(M, groups, mr, kQMC, [&](int64_t m0, int64_t m1, int64_t g, int64_t) {
+  run_units(M, groups, mr, kQMC, [&](int64_t m0, int64_t m1, int64_t g, int64_t next) {
     const int64_t j0 = g * np, j1 = std::min(P, j0 + np);
+    // The next group's panels, which follow in memory, prefetched into L2 while this one runs; not for one row,
+    // which the extra instructions made slower (Zen 5: its tile is bound by the conversions more than the memory).
+    const int8_t* pf = next < 0 || M == 1 ? nullptr : pp + next * np * K * kQNR;
+    const int64_t pf_lines = next < 0 ? 0 : (std::min(P, next * np + np) - next * np) * K * kQNR / 64;
     int64_t ncols[kWidePanels1];
     std::vector<Epilogue<B>> eps;
     eps.reserve(j1 - j0);
@@ -141,20 +150,19 @@ void fma_run(const float* x, int64_t ldx, const int8_t* pp, const float* scale, 
     const int8_t* p = pp + j0 * K * kQNR;
     Out* yb = y + j0 * kQNR;
     if (j1 - j0 == np && np == kWidePanels1) {
-      fma_tile<1, kWidePanels1, B, Out>(x + m0 * ldx, ldx, p, K, yb + m0 * N, N, ncols, eps.data());
+      fma_tile<1, kWidePanels1, B, Out>(x + m0 * ldx, ldx, p, K, yb + m0 * N, N, ncols, eps.data(), pf, pf_lines);
       return;
     }
     if (j1 - j0 == np && np == kWidePanels2) {
-      fma_tile<2, kWidePanels2, B, Out>(x + m0 * ldx, ldx, p, K, yb + m0 * N, N, ncols, eps.data());
+      fma_tile<2, kWidePanels2, B, Out>(x + m0 * ldx, ldx, p, K, yb + m0 * N, N, ncols, eps.data(), pf, pf_lines);
       return;
     }
     for (int64_t j = j0; j < j1; ++j)
-      for (int64_t m = m0; m < m1;) {
-        const int64_t rows = next_rows(m1 - m, mr);
-        kFmaTiles<B, Out>[rows](x + m * ldx, ldx, p + (j - j0) * K * kQNR, K, yb + m * N + (j - j0) * kQNR, N,
-                                ncols + (j - j0), eps.data() + (j - j0));
-        m += rows;
-      }
+      row_tiles(m0, m1, mr, j + 1 == j1 ? pf : nullptr, pf_lines,
+                [&](int64_t m, int64_t rows, const PrefetchShare& share) {
+                  kFmaTiles<B, Out>[rows](x + m * ldx, ldx, p + (j - j0) * K * kQNR, K, yb + m * N + (j - j0) * kQNR,
+                                          N, ncols + (j - j0), eps.data() + (j - j0), share.from, share.lines);
+                });
   }, nothing, nothing);
 }
 
@@ -280,7 +288,7 @@ bool gemm_int8_dp_built() { return false; }
 
 // Rows of bf16 activations from which the vdpbf16ps path runs (below, widening each panel costs more than it saves;
 // measured in docs/performance.md, "Weight-only int8").
-constexpr int64_t kDpMinRows = 4;
+constexpr int64_t kDpMinRows = 7;
 
 void gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor bias, torch::Tensor out,
                bool use_amx) {

@@ -57,7 +57,7 @@ def test_matches_torch_ref(m, k, n, dtype, bias, use_amx):
 @pytest.mark.parametrize("dtype,use_amx", ACTIVATIONS)
 @pytest.mark.parametrize("k", [640, 650, 3500])
 def test_rows_do_not_depend_on_the_batch(dtype, use_amx, k):
-    """A row's result is bitwise the same alone and in any batch: FMA tiles, and for bf16 from 4 rows vdpbf16ps,
+    """A row's result is bitwise the same alone and in any batch: FMA tiles, and for bf16 from 7 rows vdpbf16ps,
     which adds each k pair's products in the order the FMA path does. On AMX, batches of 4+ rows (AMX tiles) agree
     with each other, and batches of fewer (FMA tiles) with each other."""
     q, scale, x, _ = _case(260, k, 70, dtype, seed=1)
