@@ -135,8 +135,11 @@ class ReplicaSet(ReplicaScaler):
                 await asyncio.sleep(DRAIN_POLL_S)
         except ray.exceptions.RayError as e:  # it died meanwhile: the gateways resume its requests anyway
             logger.warning("replica %d failed while draining: %s", r.index, e)
-        await asyncio.to_thread(shutdown_replicas, [r])
-        logger.info("replica %d released", r.index)
+        finally:
+            # Also when the scaling is cancelled (the server stopping its autoscaler): out of self.replicas, nothing
+            # else would release the replica or its placement group.
+            await asyncio.shield(asyncio.to_thread(shutdown_replicas, [r]))
+            logger.info("replica %d released", r.index)
         return moved
 
     async def shutdown(self) -> None:

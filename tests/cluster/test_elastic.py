@@ -1,5 +1,6 @@
 """Elastic replicas under load: scaling 2 -> 3 -> 1 -> 2 while 100+ streams run (the HTTP admin route and `pagedserve
-scale`), the autoscaler on a burst and when idle, and a rollout to new weights. Every stream completes, greedy and
+scale`), the autoscaler on a burst and when idle, a scale-in cut short by the server stopping, and a rollout to
+new weights. Every stream completes, greedy and
 seeded ones with exactly the tokens of an offline run (a scale-in moves requests mid-stream), the served replica
 count follows, and no placement group is left behind."""
 from __future__ import annotations
@@ -14,7 +15,11 @@ import ray._private.state as ray_state
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.client import AsyncClient
+from pagedserve.cluster.runtime.replica_set import ReplicaSet
+from pagedserve.cluster.runtime.replicas import launch_replicas
+from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.tests.server_thread import ServerThread, free_port
 from pagedserve.tests.utils import make_model, random_prompts
 
@@ -86,6 +91,34 @@ def test_scale_out_and_in_under_load(ray_cluster, model_dir, expected):
     finally:
         srv.stop()
     assert _created_pgs(ray_cluster) <= pgs_before  # each removed replica's placement group was released
+    assert _live_engines() <= engines_before
+
+
+def test_a_scale_in_cancelled_mid_drain_still_releases_its_replica(ray_cluster, model_dir):
+    """A server that stops cancels its autoscaler, which may be mid scale-in: the replica the scale-in had taken out
+    of the set is released all the same, its placement group with it."""
+    pgs_before, engines_before = _created_pgs(ray_cluster), _live_engines()
+    args = EngineArgs(model=model_dir, seed=0)
+    replicas = launch_replicas(args, 2)
+
+    async def cancel_mid_drain() -> ReplicaSet:
+        infos = await asyncio.gather(*[r.actor.get_info.remote() for r in replicas])
+        router = ReplicaRouter(replicas, load_tokenizer(model_dir), infos)
+        replica_set = ReplicaSet(args, replicas, router, drain_timeout=30.0)
+        scale_in = asyncio.create_task(replica_set.scale_to(1))
+        while len(replica_set.replicas) == 2:  # until the victim is out of the set, at its drain's first await
+            await asyncio.sleep(0)
+        scale_in.cancel()
+        await asyncio.gather(scale_in, return_exceptions=True)
+        return replica_set
+
+    replica_set = asyncio.run(cancel_mid_drain())
+    try:
+        assert len(replica_set.replicas) == 1
+        assert len(_live_engines() - engines_before) == 1  # the victim's actor is gone, not only unrouted
+    finally:
+        asyncio.run(replica_set.shutdown())
+    assert _created_pgs(ray_cluster) <= pgs_before
     assert _live_engines() <= engines_before
 
 
