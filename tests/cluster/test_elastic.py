@@ -1,8 +1,7 @@
 """Elastic replicas under load: scaling 2 -> 3 -> 1 -> 2 while 100+ streams run (the HTTP admin route and `pagedserve
-scale`), the autoscaler on a burst and when idle, a scale-in cut short by the server stopping, and a rollout to
-new weights. Every stream completes, greedy and
-seeded ones with exactly the tokens of an offline run (a scale-in moves requests mid-stream), the served replica
-count follows, and no placement group is left behind."""
+scale`), the autoscaler on a burst and when idle, a scale-in cut short by the server stopping, and a rollout to new
+weights. Every stream completes, greedy and seeded ones with exactly the tokens of an offline run (a scale-in moves
+requests mid-stream), the served replica count follows, and no placement group is left behind."""
 from __future__ import annotations
 
 import asyncio
