@@ -54,6 +54,18 @@ struct PrefetchShare {
         lines((t + 1) * lines_all / tiles - t * lines_all / tiles) {}
 };
 
+// `lines` cache lines from `from` (or none: null) prefetched into L2 evenly over a loop of `steps` iterations:
+// step() once an iteration (a PrefetchShare's lines over a tile's k loop).
+struct SpreadPrefetch {
+  const char* next;
+  int64_t lines, steps, due = 0;
+  SpreadPrefetch(const void* from, int64_t lines, int64_t steps)
+      : next(static_cast<const char*>(from)), lines(from == nullptr ? 0 : lines), steps(steps) {}
+  inline void step() {
+    for (due += lines; due >= steps; due -= steps, next += 64) __builtin_prefetch(next, 0, 2);  // prefetcht1
+  }
+};
+
 // Rows of a block in tiles of mr, a remainder above mr split into two near-equal tiles (13 rows of 12: 7 + 6, not
 // 12 + 1: a one-row tile runs on two dependency chains, latency-bound).
 inline int64_t next_rows(int64_t left, int64_t mr) {
@@ -90,12 +102,9 @@ inline void dp_accumulate_rows(__m512* a0, __m512* a1, const bf16_t* x, int64_t 
   const char* base[NB];
   for (int i = 0; i < NB; ++i) base[i] = reinterpret_cast<const char*>(x) + 5 * i * ld;
   const char* wp = reinterpret_cast<const char*>(w);
-  const char* pp = reinterpret_cast<const char*>(pf);
-  int64_t due = 0;
+  SpreadPrefetch spread(pf, pf_lines, K2);
   for (int64_t kk = 0; kk < K2; ++kk) {
-    if constexpr (Prefetch) {
-      for (due += pf_lines; due >= K2; due -= K2, pp += 64) _mm_prefetch(pp, _MM_HINT_T1);
-    }
+    if constexpr (Prefetch) spread.step();
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 64);
     wp += 128;

@@ -101,13 +101,11 @@ void fma_tile(const float* x, int64_t ldx, const int8_t* p, int64_t K, Out* y, i
     }
   };
   const int64_t K2 = K / 2;
-  const char* next = static_cast<const char*>(pf);
-  int64_t due = 0;
+  SpreadPrefetch spread(pf, pf_lines, K2);
   for (int64_t kk = 0; kk < K2; ++kk) {
     for (int i = 0; i < NP; ++i)  // 1 KiB ahead: the hardware prefetcher stops at pages
       __builtin_prefetch(p + i * K * kQNR + (2 * kk + 32) * kQNR, 0, 3);
-    if (next != nullptr)
-      for (due += pf_lines; due >= K2; due -= K2, next += 64) __builtin_prefetch(next, 0, 2);
+    spread.step();
     step(2 * kk + 1);
     step(2 * kk);
   }
