@@ -63,6 +63,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Streamed: new tokens per output at most, raising the server's --stream-interval (the first and last outputs go
+    # out at once).
+    stream_interval: int | None = None
     # Filled by the engine: eos ids from generation_config.json, unless ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -126,6 +129,9 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", f"must have at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if self.stream_interval is not None and (not isinstance(self.stream_interval, int)
+                                                 or isinstance(self.stream_interval, bool) or self.stream_interval < 1):
+            bad("stream_interval", f"must be at least 1, got {self.stream_interval!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
         if self.is_greedy and self.best_of > 1:

@@ -43,9 +43,10 @@ def rate_rows(run: dict) -> list[str]:
 
 def workload_table(model: str, name: str, w: dict) -> str:
     slo, loads = w["slo"], w["loadavg_1min_before_runs"]
+    interval = f"--stream-interval {w['stream_interval']} on both; " if w.get("stream_interval", 1) != 1 else ""
     head = (f"{model}, {name} ({w['requests']} requests; SLO TTFT <= {slo['ttft_ms'] / 1000:.1f} s, TPOT <= "
             f"{slo['tpot_ms']:.0f} ms; load {loads['min']:.1f}-{loads['max']:.1f}; engine niceness "
-            f"{w['pagedserve_engine_niceness']}; {w['date']}):")
+            f"{w['pagedserve_engine_niceness']}; {interval}{w['date']}):")
     lines = [head, ""]
     if any("pairs" in run for run in w["runs"]):
         lines += ["(with several pairs a rate, its rows are the pair with the median throughput ratio)"]

@@ -328,14 +328,16 @@ def start_servers(servers: dict, model_dir: str, tok: str, ps_log: str, vllm_log
     t = time.perf_counter()
     servers["pagedserve"] = Server(model_dir, args.max_num_seqs, "cpu", ps_log,
                                    ("--kv-cache-memory", str(args.kv_cache_gib << 30), "--tokenizer", tok,
-                                    "--kv-cache-dtype", args.kv_cache_dtype),
+                                    "--kv-cache-dtype", args.kv_cache_dtype, "--stream-interval",
+                                    str(args.stream_interval)),
                                    dict(kv.split("=", 1) for kv in args.pagedserve_env))
     servers["pagedserve"].wait_ready()
     print(f"pagedserve serve ready in {time.perf_counter() - t:.0f} s (log {ps_log})", flush=True)
     t = time.perf_counter()
     servers["vllm"] = VllmServer(model_dir, args.max_num_seqs, vllm_log, threads=threads,
                                  kv_cache_gib=args.kv_cache_gib, dtype=args.vllm_dtype,
-                                 extra_args=("--tokenizer", tok, "--kv-cache-dtype", args.kv_cache_dtype))
+                                 extra_args=("--tokenizer", tok, "--kv-cache-dtype", args.kv_cache_dtype,
+                                             "--stream-interval", str(args.stream_interval)))
     servers["vllm"].wait_ready()
     print(f"vllm serve ready in {time.perf_counter() - t:.0f} s (log {vllm_log})", flush=True)
 
@@ -369,6 +371,8 @@ def main() -> None:
                          "used")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                     help="both servers' KV cache (--kv-cache-dtype of each); auto: the model dtype")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="both servers' --stream-interval (vLLM's flag): tokens per streamed chunk after the first")
     ap.add_argument("--slo-ttft-ms", type=float, default=None,
                     help=f"default: 2000 x the model's decode-step weight bytes / {SLO_BASE_MODEL}'s")
     ap.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 100, scaled as --slo-ttft-ms")
@@ -432,6 +436,7 @@ def main() -> None:
                                    "range_ratio": args.random_range_ratio},
                 "max_num_seqs": args.max_num_seqs, "pagedserve_dtype": ps_dtype, "vllm_dtype": args.vllm_dtype,
                 "kv_cache_gib": args.kv_cache_gib, "kv_cache_dtype": args.kv_cache_dtype, "threads": threads,
+                "stream_interval": args.stream_interval,
                 "pagedserve_env": args.pagedserve_env,
                 "pagedserve_max_decode_stall_ms": EngineArgs().max_decode_stall_ms,  # its default; vLLM mixes
                 "pagedserve_engine_niceness": niceness, "server_starts": args.repeats,

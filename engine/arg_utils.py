@@ -64,6 +64,9 @@ class EngineArgs:
                                               "each (plus one step) so the prompts prefill first: lower TTFT under "
                                               "bursts for longer gaps between tokens; 0 mixes every decode into "
                                               "every step, as vLLM v1 does")
+    stream_interval: int = _arg(1, "streamed requests get an output per this many new tokens (the first and the "
+                                   "last at once): fewer, larger chunks cost the server and clients less per "
+                                   "token; a request's stream_interval may raise it")
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
     preemption_mode: str | None = _arg(None, "default: swap for multi-sequence requests, else recompute",
                                        choices=["recompute", "swap"])
@@ -119,7 +122,7 @@ class EngineArgs:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {self.block_size}")
-        for name in ("max_num_seqs", "tensor_parallel_size", "max_logprobs"):
+        for name in ("max_num_seqs", "tensor_parallel_size", "max_logprobs", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.structured_outputs_cache_size < 0:
@@ -179,7 +182,7 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode,
-                max_decode_stall_ms=self.max_decode_stall_ms),
+                max_decode_stall_ms=self.max_decode_stall_ms, stream_interval=self.stream_interval),
             parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.ray_address),
             device=device, seed=self.seed, attention_backend=backend,
             request_limits=RequestLimits(self.max_num_seqs, self.max_logprobs,

@@ -121,7 +121,8 @@ class EngineCore:
                           eos_token_ids=tuple(mc.eos_token_ids),
                           tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
                           block_size=cc.block_size, num_kv_blocks=cc.num_blocks,
-                          enable_prefix_caching=cc.enable_prefix_caching, limits=self.config.request_limits)
+                          enable_prefix_caching=cc.enable_prefix_caching, limits=self.config.request_limits,
+                          stream_interval=self.config.scheduler_config.stream_interval)
 
     def add_request(self, request: EngineCoreRequest) -> Request:
         """Queue a request the input processor made; beam_params make it a beam search; a resume state continues

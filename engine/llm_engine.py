@@ -24,7 +24,8 @@ class LLMEngine:
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or config.model_config.model)
         self.core = EngineCore(config, executor_factory)
         self.input_processor = InputProcessor(self.tokenizer, self.core.get_info())
-        self.output_processor = OutputProcessor(self.tokenizer, self.core.stop_sequence)
+        self.output_processor = OutputProcessor(self.tokenizer, self.core.stop_sequence,
+                                                config.scheduler_config.stream_interval)
         self._ids = itertools.count()
 
     @classmethod

@@ -47,6 +47,7 @@ class _RequestState:
     first_token_time: float | None = None
     beams: list[BeamSearchSequence] | None = None
     delta: bool = False  # outputs carry only what is new since the previous one
+    stream_interval: int = 1  # streamed: an output once a completion has this many unsent tokens
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs came in
 
     @property
@@ -58,9 +59,10 @@ class OutputProcessor:
     """``stop_fn(request_id, index)`` ends a completion in the engine core once a stop string matched here;
     tokens the core produced for it in the meantime are dropped, so the result does not depend on the delay."""
 
-    def __init__(self, tokenizer, stop_fn: Callable[[str, int], None]) -> None:
+    def __init__(self, tokenizer, stop_fn: Callable[[str, int], None], stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
         self.stop_fn = stop_fn
+        self.stream_interval = stream_interval  # vLLM's --stream-interval; a request's own may raise it
         self.states: dict[str, _RequestState] = {}
         # Each logprob entry names its token's text: cached per token id, as prompt logprobs ask for tens of
         # thousands of single-token decodes.
@@ -70,7 +72,9 @@ class OutputProcessor:
                     params: SamplingParams | BeamSearchParams, stream: bool = False, delta: bool = False) -> None:
         """``stream``: an output every step, else only the final one. ``delta``: each output holds only the text,
         tokens, logprobs and prompt logprobs that are new since the previous one (vLLM's ``RequestOutputKind.DELTA``;
-        the gateway streams this way), else everything so far. Its prompt_token_ids is then the caller's list."""
+        the gateway streams this way), else everything so far. Its prompt_token_ids is then the caller's list.
+        Streamed, an output goes out every step, or with a stream interval above 1 once a completion has its first
+        token, that many unsent tokens, or its end (as vLLM's ``stream_interval``)."""
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already running")
         if isinstance(params, BeamSearchParams):
@@ -85,7 +89,8 @@ class OutputProcessor:
                        for i in range(params.best_of)]
         self.states[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, stream, completions,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None, delta=delta)
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None, delta=delta,
+            stream_interval=max(self.stream_interval, params.stream_interval or 1))
 
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -114,7 +119,7 @@ class OutputProcessor:
                 continue
             self._apply(st, out)
             finished = out.finished or (not st.is_beam and all(c.finish_reason for c in st.completions))
-            if finished or st.stream:
+            if finished or (st.stream and _due(st)):
                 results.append(self._make_output(st, finished))
             if finished:
                 del self.states[out.request_id]
@@ -207,3 +212,14 @@ class OutputProcessor:
         prompt_ids = st.prompt_token_ids if st.delta else list(st.prompt_token_ids)
         return RequestOutput(st.request_id, st.prompt, prompt_ids, prompt_logprobs, outs, finished,
                              st.num_cached_tokens, metrics)
+
+
+def _due(st: _RequestState) -> bool:
+    """Whether a streamed request's output goes out this step (see ``OutputProcessor.add_request``)."""
+    if st.stream_interval == 1:
+        return True
+    for c in st.completions:
+        unsent = len(c.token_ids) - c.num_sent_tokens
+        if unsent and (unsent >= st.stream_interval or c.num_sent_tokens == 0 or c.finish_reason is not None):
+            return True
+    return False

@@ -7,7 +7,8 @@ from pagedserve.proto.v1 import generation_pb2 as pb
 # Proto3 ``optional`` fields (unset = the engine's default), repeated fields, and plain fields.
 OPTIONAL_SAMPLING_FIELDS = ["n", "best_of", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                             "presence_penalty", "frequency_penalty", "seed", "max_tokens", "logprobs",
-                            "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens"]
+                            "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
+                            "stream_interval"]
 REPEATED_SAMPLING_FIELDS = ["stop", "stop_token_ids"]
 PLAIN_SAMPLING_FIELDS = ["include_stop_str_in_output", "ignore_eos", "min_tokens"]
 MESSAGE_SAMPLING_FIELDS = ["structured_outputs"]

@@ -146,7 +146,7 @@ class ReplicaRouter(EngineClient):
         self.info = dataclasses.replace(infos[0], num_kv_blocks=min(i.num_kv_blocks for i in infos))
         self.client_id = uuid.uuid4().hex
         self.input_processor = InputProcessor(tokenizer, self.info)
-        self.processor = OutputProcessor(tokenizer, self._stop_sequence)
+        self.processor = OutputProcessor(tokenizer, self._stop_sequence, self.info.stream_interval)
         self._inflight: dict[str, _InFlight] = {}
         self._pumps: list[asyncio.Task] = []
         self._health_listeners: list[Callable[[], Awaitable[None]]] = []

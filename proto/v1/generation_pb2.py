@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xb3\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.pagedserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\xc0\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x17\n\nmax_tokens\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\r\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\x0e\x88\x01\x01\x12<\n\x12structured_outputs\x18\x15 \x01(\x0b\x32 .pagedserve.v1.StructuredOutputsB\x04\n\x02_nB\n\n\x08_best_ofB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\xb4\x01\n\x10\x42\x65\x61mSearchParams\x12\x12\n\nbeam_width\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x1b\n\x0elength_penalty\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x34\n\x0e\x65\x61rly_stopping\x18\x05 \x01(\x0e\x32\x1c.pagedserve.v1.EarlyStoppingB\x11\n\x0f_length_penalty\"\x9f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x34\n\x0b\x62\x65\x61m_search\x18\x05 \x01(\x0b\x32\x1f.pagedserve.v1.BeamSearchParams\x12.\n\x0bstream_mode\x18\x06 \x01(\x0e\x32\x19.pagedserve.v1.StreamMode\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\"T\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\"\x88\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"\xc4\x02\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x1f\n\x12\x63umulative_logprob\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\nbeam_score\x18\t \x01(\x01H\x02\x88\x01\x01\x42\r\n\x0bstop_reasonB\x15\n\x13_cumulative_logprobB\r\n\x0b_beam_score\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1e.pagedserve.v1.CompletionDelta\x12\x35\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xe6\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\t \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x01\x12\x1c\n\x14num_running_requests\x18\x0b \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\r\n\x05\x64type\x18\x0e \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*|\n\rEarlyStopping\x12\x1e\n\x1a\x45\x41RLY_STOPPING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45\x41RLY_STOPPING_FALSE\x10\x01\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x02\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x03*W\n\nStreamMode\x12\x1b\n\x17STREAM_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11STREAM_MODE_DELTA\x10\x01\x12\x15\n\x11STREAM_MODE_FINAL\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9f\x03\n\x11GenerationService\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12W\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a#.pagedserve.v1.GetModelInfoResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xb3\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.pagedserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\xf2\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x17\n\nmax_tokens\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\r\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\x0e\x88\x01\x01\x12<\n\x12structured_outputs\x18\x15 \x01(\x0b\x32 .pagedserve.v1.StructuredOutputs\x12\x1c\n\x0fstream_interval\x18\x16 \x01(\rH\x0f\x88\x01\x01\x42\x04\n\x02_nB\n\n\x08_best_ofB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\x12\n\x10_stream_interval\"\xb4\x01\n\x10\x42\x65\x61mSearchParams\x12\x12\n\nbeam_width\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x1b\n\x0elength_penalty\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x34\n\x0e\x65\x61rly_stopping\x18\x05 \x01(\x0e\x32\x1c.pagedserve.v1.EarlyStoppingB\x11\n\x0f_length_penalty\"\x9f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x34\n\x0b\x62\x65\x61m_search\x18\x05 \x01(\x0b\x32\x1f.pagedserve.v1.BeamSearchParams\x12.\n\x0bstream_mode\x18\x06 \x01(\x0e\x32\x19.pagedserve.v1.StreamMode\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\"T\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\"\x88\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"\xc4\x02\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x1f\n\x12\x63umulative_logprob\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\nbeam_score\x18\t \x01(\x01H\x02\x88\x01\x01\x42\r\n\x0bstop_reasonB\x15\n\x13_cumulative_logprobB\r\n\x0b_beam_score\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1e.pagedserve.v1.CompletionDelta\x12\x35\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xe6\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\t \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x01\x12\x1c\n\x14num_running_requests\x18\x0b \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\r\n\x05\x64type\x18\x0e \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*|\n\rEarlyStopping\x12\x1e\n\x1a\x45\x41RLY_STOPPING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45\x41RLY_STOPPING_FALSE\x10\x01\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x02\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x03*W\n\nStreamMode\x12\x1b\n\x17STREAM_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11STREAM_MODE_DELTA\x10\x01\x12\x15\n\x11STREAM_MODE_FINAL\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9f\x03\n\x11GenerationService\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12W\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a#.pagedserve.v1.GetModelInfoResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EARLYSTOPPING']._serialized_start=3114
-  _globals['_EARLYSTOPPING']._serialized_end=3238
-  _globals['_STREAMMODE']._serialized_start=3240
-  _globals['_STREAMMODE']._serialized_end=3327
-  _globals['_FINISHREASON']._serialized_start=3329
-  _globals['_FINISHREASON']._serialized_end=3449
+  _globals['_EARLYSTOPPING']._serialized_start=3164
+  _globals['_EARLYSTOPPING']._serialized_end=3288
+  _globals['_STREAMMODE']._serialized_start=3290
+  _globals['_STREAMMODE']._serialized_end=3377
+  _globals['_FINISHREASON']._serialized_start=3379
+  _globals['_FINISHREASON']._serialized_end=3499
   _globals['_TOKENIDS']._serialized_start=49
   _globals['_TOKENIDS']._serialized_end=72
   _globals['_CHOICELIST']._serialized_start=74
@@ -44,37 +44,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STRUCTUREDOUTPUTS']._serialized_start=106
   _globals['_STRUCTUREDOUTPUTS']._serialized_end=285
   _globals['_SAMPLINGPARAMS']._serialized_start=288
-  _globals['_SAMPLINGPARAMS']._serialized_end=1120
-  _globals['_BEAMSEARCHPARAMS']._serialized_start=1123
-  _globals['_BEAMSEARCHPARAMS']._serialized_end=1303
-  _globals['_GENERATEREQUEST']._serialized_start=1306
-  _globals['_GENERATEREQUEST']._serialized_end=1593
-  _globals['_TOPLOGPROB']._serialized_start=1595
-  _globals['_TOPLOGPROB']._serialized_end=1679
-  _globals['_TOKENLOGPROBS']._serialized_start=1682
-  _globals['_TOKENLOGPROBS']._serialized_end=1818
-  _globals['_COMPLETIONDELTA']._serialized_start=1821
-  _globals['_COMPLETIONDELTA']._serialized_end=2145
-  _globals['_USAGE']._serialized_start=2147
-  _globals['_USAGE']._serialized_end=2234
-  _globals['_GENERATERESPONSE']._serialized_start=2237
-  _globals['_GENERATERESPONSE']._serialized_end=2438
-  _globals['_TOKENIZEREQUEST']._serialized_start=2440
-  _globals['_TOKENIZEREQUEST']._serialized_end=2471
-  _globals['_TOKENIZERESPONSE']._serialized_start=2473
-  _globals['_TOKENIZERESPONSE']._serialized_end=2526
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2528
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2624
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2626
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2660
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2662
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2683
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2686
-  _globals['_GETMODELINFORESPONSE']._serialized_end=3044
-  _globals['_ABORTREQUEST']._serialized_start=3046
-  _globals['_ABORTREQUEST']._serialized_end=3080
-  _globals['_ABORTRESPONSE']._serialized_start=3082
-  _globals['_ABORTRESPONSE']._serialized_end=3112
-  _globals['_GENERATIONSERVICE']._serialized_start=3452
-  _globals['_GENERATIONSERVICE']._serialized_end=3867
+  _globals['_SAMPLINGPARAMS']._serialized_end=1170
+  _globals['_BEAMSEARCHPARAMS']._serialized_start=1173
+  _globals['_BEAMSEARCHPARAMS']._serialized_end=1353
+  _globals['_GENERATEREQUEST']._serialized_start=1356
+  _globals['_GENERATEREQUEST']._serialized_end=1643
+  _globals['_TOPLOGPROB']._serialized_start=1645
+  _globals['_TOPLOGPROB']._serialized_end=1729
+  _globals['_TOKENLOGPROBS']._serialized_start=1732
+  _globals['_TOKENLOGPROBS']._serialized_end=1868
+  _globals['_COMPLETIONDELTA']._serialized_start=1871
+  _globals['_COMPLETIONDELTA']._serialized_end=2195
+  _globals['_USAGE']._serialized_start=2197
+  _globals['_USAGE']._serialized_end=2284
+  _globals['_GENERATERESPONSE']._serialized_start=2287
+  _globals['_GENERATERESPONSE']._serialized_end=2488
+  _globals['_TOKENIZEREQUEST']._serialized_start=2490
+  _globals['_TOKENIZEREQUEST']._serialized_end=2521
+  _globals['_TOKENIZERESPONSE']._serialized_start=2523
+  _globals['_TOKENIZERESPONSE']._serialized_end=2576
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2578
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2674
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2676
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2710
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2712
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2733
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2736
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3094
+  _globals['_ABORTREQUEST']._serialized_start=3096
+  _globals['_ABORTREQUEST']._serialized_end=3130
+  _globals['_ABORTRESPONSE']._serialized_start=3132
+  _globals['_ABORTRESPONSE']._serialized_end=3162
+  _globals['_GENERATIONSERVICE']._serialized_start=3502
+  _globals['_GENERATIONSERVICE']._serialized_end=3917
 # @@protoc_insertion_point(module_scope)

@@ -202,6 +202,28 @@ def test_streamed_completions_equal_whole(server, client, offline):
     assert len(chunks) > 4  # streamed token by token, not in one piece
 
 
+def test_stream_interval_sends_fewer_larger_chunks(server, client, offline):
+    """A request's stream_interval (vLLM's field): the first token alone, then chunks of that many tokens, and the
+    rest at the end; the text is the whole completion's. Below 1 it is a 400 naming the field. (Read leniently:
+    the SDK's type wants the finish_reason that streams leave null until the end.)"""
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0) as lenient:
+        stream = lenient.completions.create(model=MODEL, prompt="def main():", temperature=0.0, max_tokens=23,
+                                            stream=True, extra_body={"stream_interval": 5, "ignore_eos": True,
+                                                                     "return_token_ids": True})
+        chunks = [c.choices[0] for c in stream]
+    sizes = [len(c.token_ids) for c in chunks]  # type: ignore[attr-defined]
+    assert sizes == [1, 5, 5, 5, 5, 2], sizes
+    exp = offline.generate("def main():", SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert "".join(c.text for c in chunks) == exp.text
+    assert [t for c in chunks for t in c.token_ids] == exp.token_ids  # type: ignore[attr-defined]
+    assert chunks[-1].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
+                                  extra_body={"stream_interval": 0})
+    assert "stream_interval" in str(err.value)
+
+
 def test_beam_search_and_streamed_batch_with_echo(server, client, offline):
     from pagedserve import BeamSearchParams
 

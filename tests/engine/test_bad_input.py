@@ -27,6 +27,7 @@ def llm(llama_dir):
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
     (dict(n=2, best_of=1), "best_of"),
     (dict(stop=[""]), "stop"),
+    (dict(stream_interval=0), "stream_interval"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -78,6 +79,8 @@ def test_bad_engine_args(llama_dir):
         LLM(llama_dir, max_model_len=10_000)
     with pytest.raises(ValueError, match="block_size"):
         LLM(llama_dir, block_size=12)
+    with pytest.raises(ValueError, match="stream_interval"):
+        LLM(llama_dir, stream_interval=0)
 
 
 def test_request_too_big_for_the_kv_pool(llama_dir):

@@ -70,3 +70,32 @@ def test_engine_streaming_outputs_grow_monotonically(llama_dir):
         assert b.startswith(a)
     tok = engine.tokenizer
     assert final.outputs[0].text == tok.decode(final.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_stream_interval_batches_tokens_and_keeps_the_text(llama_dir):
+    """vLLM's --stream-interval: the first token at once, then an output per `interval` new tokens, and the end;
+    a request's stream_interval raises the engine's, never lowers it. The streamed text is the same."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=llama_dir, stream_interval=4))
+    cases = {"engine": None, "raised": 7, "clamped": 2}
+    for rid, interval in cases.items():
+        engine.add_request(rid, "café 🚀 naïve", SamplingParams(temperature=0.7, seed=1, max_tokens=30,
+                                                               ignore_eos=True, stream_interval=interval), stream=True)
+    counts: dict[str, list[int]] = {rid: [] for rid in cases}
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            counts[out.request_id].append(len(out.outputs[0].token_ids))
+            finals[out.request_id] = out
+    for rid, k in (("engine", 4), ("raised", 7), ("clamped", 4)):
+        n = counts[rid]
+        assert n[0] == 1 and n[-1] == 30 and finals[rid].finished, n
+        assert [b - a for a, b in itertools.pairwise(n)][:-1] == [k] * ((29 - 1) // k), n
+        assert len(n) == 1 + -(-29 // k)
+    full = LLMEngine.from_engine_args(EngineArgs(model=llama_dir))
+    full.add_request("x", "café 🚀 naïve", SamplingParams(temperature=0.7, seed=1, max_tokens=30, ignore_eos=True))
+    while full.has_unfinished_requests():
+        for out in full.step():
+            expected = out.outputs[0]
+    for rid in cases:
+        assert finals[rid].outputs[0].token_ids == expected.token_ids
+        assert finals[rid].outputs[0].text == expected.text

@@ -36,7 +36,7 @@ def test_proto_mirrors_sampling_params():
     kw = dict(n=2, best_of=3, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, repetition_penalty=1.2,
               presence_penalty=0.3, frequency_penalty=-0.2, seed=11, stop=["x", "yz"], stop_token_ids=[4],
               include_stop_str_in_output=True, ignore_eos=True, max_tokens=9, min_tokens=2, logprobs=3,
-              prompt_logprobs=1, skip_special_tokens=False, spaces_between_special_tokens=False)
+              prompt_logprobs=1, skip_special_tokens=False, spaces_between_special_tokens=False, stream_interval=4)
     parsed = params_from_proto(build_request("hello", stream=False, **kw))
     for k, v in kw.items():
         got = getattr(parsed.params, k)

@@ -81,6 +81,7 @@ def build_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | N
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens, structured_outputs=constraint)
+            spaces_between_special_tokens=req.spaces_between_special_tokens, structured_outputs=constraint,
+            stream_interval=req.stream_interval)
     except ValueError as e:
         raise _invalid(e) from None
