@@ -97,7 +97,7 @@ def test_quantize_int8_per_output_channel():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("int8_panels", [True, False])
-def test_quantized_linears_packed_or_reference(dtype, int8_panels):
+def test_quantized_linears_packed_or_reference(dtype, int8_panels, caplog):
     """quantize_linears turns the linears' weights, the tied LM head's included, into int8 + fp32 scales, leaving
     the embedding the head is tied to; pack_linears puts them in int8 panels (freeing the int8 weight) or, without,
     they run the torch reference: same results."""
@@ -111,7 +111,10 @@ def test_quantized_linears_packed_or_reference(dtype, int8_panels):
     for p in model.parameters():
         p.data = torch.randn(p.shape, generator=g).to(dtype)
     full = {m: m.weight.detach().clone() for m in (qkv, row, head)}
-    assert quantize_linears(model, "int8") == 3
+    with caplog.at_level("INFO", logger="pagedserve.worker.layers.quantization"):
+        assert quantize_linears(model, "int8") == 3
+    kept = full[head].numel() * full[head].element_size() / 2**20  # not freed: the embedding still holds it
+    assert f"the tied embedding keeps its {kept:.1f} MiB" in caplog.text
     assert embedding.weight.dtype == dtype and torch.equal(embedding.weight, full[head])
     for m in (qkv, row, head):
         assert m.weight.dtype == torch.int8 and m.weight_scale.shape == (m.weight.shape[0],)

@@ -27,19 +27,25 @@ def quantize_linears(model: nn.Module, method: str) -> int:
     if method != "int8":
         raise ValueError(f"unknown quantization method {method!r}")
     routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)}
-    before = after = count = 0
+    # a weight tied to an embedding stays allocated there, for its lookups: not freed by quantizing
+    tied = {p.data_ptr() for m in model.modules() if not isinstance(m, LINEAR_TYPES)
+            for p in m.parameters(recurse=False)}
+    freed = kept = after = count = 0
     for module in model.modules():
         if not isinstance(module, LINEAR_TYPES) or id(module) in routers:
             continue
         w = module.weight.detach()
         q, scale = quantize_int8(w)
-        before += w.numel() * w.element_size()
-        # the full-precision tensor goes with the old Parameter, unless a tied embedding holds it too
+        if w.data_ptr() in tied:
+            kept += w.numel() * w.element_size()
+        else:
+            freed += w.numel() * w.element_size()
         module.weight = nn.Parameter(q, requires_grad=False)
         module.weight_scale = nn.Parameter(scale, requires_grad=False)
         after += q.numel() + scale.numel() * 4
         count += 1
-    logger.info("int8: quantized %d linear weights, %.1f MiB -> %.1f MiB", count, before / 2**20, after / 2**20)
+    logger.info("int8: quantized %d linear weights, %.1f MiB -> %.1f MiB%s", count, freed / 2**20, after / 2**20,
+                f" (the tied embedding keeps its {kept / 2**20:.1f} MiB)" if kept else "")
     return count
 
 
