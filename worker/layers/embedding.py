@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import cpu_fused
-from pagedserve.worker.cpu import linear
+from pagedserve.worker.cpu import REUSED_OUT_ROWS, linear
 from pagedserve.worker.models.weights import as_lazy
-from pagedserve.worker.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from pagedserve.worker.parallel_state import LastDimGather, all_reduce, get_tp_rank, get_tp_size
 
 
 def take_rows(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -58,6 +58,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.num_embeddings_per_partition), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self.gather = LastDimGather(REUSED_OUT_ROWS)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -65,6 +66,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 where the bf16 panel GEMM computes them (its fp32 sums, not rounded to bf16 first), else
         in the model dtype; the sampler works on fp32 either way. They are used up before the next call (the model
-        runner samples from them, or takes prompt logprobs), so the panel GEMMs write into a kept buffer."""
+        runner samples from them, or takes prompt logprobs), so the panel GEMMs, and the gather across TP ranks,
+        write into kept buffers."""
         logits = linear(self, hidden_states, self.bias, out_dtype=torch.float32, reuse_out=True)
-        return all_gather_last_dim(logits)[..., : self.num_embeddings]
+        return self.gather(logits)[..., : self.num_embeddings]
