@@ -63,7 +63,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     preemption_mode: str | None  # None: swap for multi-sequence requests, else recompute
     max_decode_stall_ms: float = 0.0  # 0: every running decode in every step (vLLM v1's mixing)
-    stream_interval: int = 1  # streamed outputs: new tokens per output at most (the first and last at once)
+    stream_interval: int = 1  # streamed: an output per this many new tokens (the first and last at once)
 
 
 @dataclass

@@ -63,8 +63,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
-    # Streamed: new tokens per output at most, raising the server's --stream-interval (the first and last outputs go
-    # out at once).
+    # Streamed: an output per this many new tokens, raising the server's --stream-interval (the first and last
+    # outputs go out at once).
     stream_interval: int | None = None
     # Filled by the engine: eos ids from generation_config.json, unless ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)

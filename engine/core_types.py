@@ -58,7 +58,7 @@ class EngineInfo:
     num_kv_blocks: int
     enable_prefix_caching: bool
     limits: RequestLimits
-    stream_interval: int = 1  # the output processor's: new tokens per streamed output at most
+    stream_interval: int = 1  # the output processor's: a streamed output per this many new tokens
 
 
 @dataclass

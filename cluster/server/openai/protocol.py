@@ -137,8 +137,8 @@ class SamplingRequest(RequestModel):
                                                       "server appends -<random hex>; the response's id has it.")
     return_token_ids: bool = Field(False, description="Add each choice's token ids and the prompt's.")
     stream_interval: int | None = Field(None, ge=1, le=UINT32, description=(
-        "Streamed: new tokens per chunk at most, raising the server's --stream-interval (the first and last chunks "
-        "go out at once)."))
+        "Streamed: a chunk per this many new tokens, raising the server's --stream-interval (the first and last "
+        "chunks go out at once)."))
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
     # vLLM's older spelling of structured_outputs (each one of its constraints): accepted, left out of the schema.
