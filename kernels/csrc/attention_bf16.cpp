@@ -5,9 +5,10 @@
 // - A decode row (one query position, all heads) scores 16 keys at a time: per key, D / 32 dot-product
 //   instructions on the bf16 row as stored, then one transposing reduction for the 16 keys; each 16-key chunk is
 //   done for all heads while in L1, and rows 32 keys ahead are prefetched: into L1 where the keys in flight fit a
-//   quarter of it, else into L2. Softmax is fp32; the value pass takes two keys per instruction on interleaved V rows
-//   with the weights rounded to bf16, as in prefill. An fp8 row is widened with byte permutes where the CPU has VBMI;
-//   with GQA once per chunk for the group's query heads.
+//   quarter of it, else into L2. Softmax is fp32; the value pass takes two keys per instruction on V rows
+//   interleaved once per chunk and KV head for its group's query heads, with the weights rounded to bf16, as in
+//   prefill. The loops run by KV head, then its query heads. An fp8 row is widened with byte permutes where the CPU
+//   has VBMI; with GQA once per chunk for the group's query heads.
 // - A prefill item is one sequence's rows for one KV head. Its V rows are interleaved once in pairs of keys (the
 //   operand layout of vdpbf16ps); then per tile of 16 query vectors (rows x GQA group) the scores S^T [keys, 16]
 //   come from broadcasting K's element pairs in place against the tile's queries packed as pairs, softmax runs down
@@ -112,19 +113,26 @@ inline void score16(const __m512bh* qv, const R* const* rows, __m512 scale, floa
   _mm512_storeu_ps(s, _mm512_mul_ps(transpose_sum16(a), scale));
 }
 
-// o[0:32 DV] (interleaved order) += the weights of `pairs` pairs of keys (bf16 pairs `pw`) x their value rows
-// (`rows`, each at the head's first element).
+// vi[2 (u DV + c) + {0, 1}] = the pair u's value rows (`rows`, each at the head's first element), elements
+// [32 c, 32 c + 32), interleaved for vdpbf16ps: once per chunk and KV head, for the G query heads that read them.
 template <int DV, typename R>
-inline void accumulate_values(const int32_t* pw, const R* const* rows, int pairs, float* o) {
+inline void interleave_pairs(const R* const* rows, int pairs, __m512bh* vi) {
+  for (int u = 0; u < pairs; ++u)
+    for (int c = 0; c < DV; ++c)
+      interleave(rows[2 * u] + 32 * c, rows[2 * u + 1] + 32 * c, vi[2 * (u * DV + c)], vi[2 * (u * DV + c) + 1]);
+}
+
+// o[0:32 DV] (interleaved order) += the weights of `pairs` pairs of keys (bf16 pairs `pw`) x their value rows
+// (interleave_pairs' `vi`).
+template <int DV>
+inline void accumulate_values(const int32_t* pw, const __m512bh* vi, int pairs, float* o) {
   __m512 a[2 * DV];
   for (int c = 0; c < 2 * DV; ++c) a[c] = _mm512_loadu_ps(o + 16 * c);
   for (int u = 0; u < pairs; ++u) {
     const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[u]);
     for (int c = 0; c < DV; ++c) {
-      __m512bh lo, hi;
-      interleave(rows[2 * u] + 32 * c, rows[2 * u + 1] + 32 * c, lo, hi);
-      a[2 * c] = _mm512_dpbf16_ps(a[2 * c], w, lo);
-      a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], w, hi);
+      a[2 * c] = _mm512_dpbf16_ps(a[2 * c], w, vi[2 * (u * DV + c)]);
+      a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], w, vi[2 * (u * DV + c) + 1]);
     }
   }
   for (int c = 0; c < 2 * DV; ++c) _mm512_storeu_ps(o + 16 * c, a[c]);
@@ -176,24 +184,27 @@ void decode_range(const bf16_t* qrow, const C* kc, const C* vc, const int32_t* t
   const C* rows[16];
   const C* head_rows[16];
   const bf16_t* wide_rows[16];
+  __m512bh vi[16 * DV];  // a chunk's value rows of one KV head, interleaved
   // Rows 32 keys ahead are prefetched while a chunk is scored or summed; the chunk after the first one, here.
   const bool l1 = prefetch_to_l1<C>(sh);
   prefetch_rows(kc, off, 16, L, 0, sh.tok_stride * int64_t(sizeof(C)), l1);
   for (int64_t u0 = 0; u0 < L; u0 += 16) {
     for (int j = 0; j < 16; ++j) rows[j] = off[u0 + j] < 0 ? zero : kc + off[u0 + j];
     if (staged) widen_rows(rows, 16, sh, wide.data());
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const int64_t h = hq / G;
-      if (hq % G == 0) prefetch_rows(kc, off, u0 + 32, L, h * D, D * int64_t(sizeof(C)), l1);
-      __m512bh qv[DV];
-      for (int c = 0; c < DV; ++c) qv[c] = load_bh(qsrc + hq * D + 32 * c);
-      float* s = S.data() + hq * Lp + u0;
-      if (staged) {
+    for (int64_t h = 0; h < sh.Hkv; ++h) {
+      prefetch_rows(kc, off, u0 + 32, L, h * D, D * int64_t(sizeof(C)), l1);
+      if (staged)
         for (int j = 0; j < 16; ++j) wide_rows[j] = wide.data() + j * width + h * D;
-        score16<DV>(qv, wide_rows, scale, s);
-      } else {
+      else
         for (int j = 0; j < 16; ++j) head_rows[j] = rows[j] + h * D;
-        score16<DV>(qv, head_rows, scale, s);
+      for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
+        __m512bh qv[DV];
+        for (int c = 0; c < DV; ++c) qv[c] = load_bh(qsrc + hq * D + 32 * c);
+        float* s = S.data() + hq * Lp + u0;
+        if (staged)
+          score16<DV>(qv, wide_rows, scale, s);
+        else
+          score16<DV>(qv, head_rows, scale, s);
       }
     }
   }
@@ -214,17 +225,18 @@ void decode_range(const bf16_t* qrow, const C* kc, const C* vc, const int32_t* t
     const int pairs = int(std::min<int64_t>(16, L - u0) + 1) / 2;
     for (int j = 0; j < 2 * pairs; ++j) rows[j] = off[u0 + j] < 0 ? zero : vc + off[u0 + j];
     if (staged) widen_rows(rows, 2 * pairs, sh, wide.data());
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const int64_t h = hq / G;
-      if (hq % G == 0) prefetch_rows(vc, off, u0 + 32, L, h * D, D * int64_t(sizeof(C)), l1);
-      const int32_t* pw = reinterpret_cast<const int32_t*>(P.data() + hq * Lp + u0);
-      if (staged) {
+    for (int64_t h = 0; h < sh.Hkv; ++h) {
+      prefetch_rows(vc, off, u0 + 32, L, h * D, D * int64_t(sizeof(C)), l1);
+      if (staged)
         for (int j = 0; j < 2 * pairs; ++j) wide_rows[j] = wide.data() + j * width + h * D;
-        accumulate_values<DV>(pw, wide_rows, pairs, acc + hq * D);
-      } else {
+      else
         for (int j = 0; j < 2 * pairs; ++j) head_rows[j] = rows[j] + h * D;
-        accumulate_values<DV>(pw, head_rows, pairs, acc + hq * D);
-      }
+      if (staged)
+        interleave_pairs<DV>(wide_rows, pairs, vi);
+      else
+        interleave_pairs<DV>(head_rows, pairs, vi);
+      for (int64_t hq = h * G; hq < (h + 1) * G; ++hq)
+        accumulate_values<DV>(reinterpret_cast<const int32_t*>(P.data() + hq * Lp + u0), vi, pairs, acc + hq * D);
     }
   }
 }
