@@ -180,6 +180,19 @@ def test_abort_rpc_ends_the_stream(server):
         _wait_idle(c)
 
 
+def test_stream_interval_over_grpc(server, offline):
+    """SamplingParams.stream_interval: the first token alone, then a response per 6 tokens, and the rest with the
+    end; the same tokens as the offline engine's."""
+    with server.client() as c:
+        responses = list(c.stream("def value", temperature=0.0, max_tokens=20, ignore_eos=True, stream_interval=6))
+    sizes = [len(d.token_ids) for r in responses for d in r.completions]
+    assert sizes == [1, 6, 6, 6, 1] and responses[-1].finished, sizes
+    want = offline.generate("def value", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+    assert [t for r in responses for d in r.completions for t in d.token_ids] == want.token_ids
+    assert "".join(d.text for r in responses for d in r.completions) == want.text
+
+
 @pytest.mark.parametrize("prompt, kw, field", [
     ("", dict(max_tokens=4), "prompt"),
     ("x", dict(top_p=1.5), "sampling_params.top_p"),
