@@ -217,6 +217,10 @@ class ModelRunner:
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1))
         if md.max_num_logprobs < 0 and any(p.best_of > p.n for p in params):
             md.max_num_logprobs = 0  # best_of ranks completions by cumulative logprob
+        if md.max_num_logprobs >= 0:  # cumulative logprobs are reported only for these rows' requests
+            wanted = [i for i, p in enumerate(params) if p.logprobs is not None or p.best_of > p.n]
+            if len(wanted) < len(params):
+                md.logprob_rows = torch.tensor(wanted, dtype=torch.long, device=dev)
         if any(p.has_penalties for p in params):
             md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
             md.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)

@@ -49,6 +49,8 @@ class SamplingMetadata:
     # Structured output: (rows, their int32 token bitmasks [R, W]; see torch_ref.apply_token_bitmask).
     token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int = -1  # -1: no row wants logprobs
+    # The rows whose logprobs are wanted, when not all are; the others' read 0 (logprob, top) and rank 1.
+    logprob_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -109,8 +111,22 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         token_ids = draw(logits, md.temperature, md.top_k, md.top_p, md.min_p, u, greedy)
     if md.max_num_logprobs < 0:
         return SamplerOutput(token_ids, None, None, None, None)
-    logprobs = torch.log_softmax(raw, dim=1)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    rows = md.logprob_rows
+    # A [rows, vocab] fp32 pass or three: only over the rows that asked (one logprobs request in a wide batch).
+    logprobs = torch.log_softmax(raw if rows is None else raw[rows], dim=1)
+    chosen = logprobs.gather(1, (token_ids if rows is None else token_ids[rows]).unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=1) + 1
     top_lp, top_ids = logprobs.topk(md.max_num_logprobs, dim=1) if md.max_num_logprobs > 0 else (None, None)
-    return SamplerOutput(token_ids, chosen.squeeze(1), top_ids, top_lp, ranks)
+    chosen = chosen.squeeze(1)
+    if rows is not None:
+        chosen, ranks = _scatter_rows(chosen, rows, len(token_ids)), _scatter_rows(ranks, rows, len(token_ids), 1)
+        if top_lp is not None:
+            top_lp, top_ids = _scatter_rows(top_lp, rows, len(token_ids)), _scatter_rows(top_ids, rows, len(token_ids))
+    return SamplerOutput(token_ids, chosen, top_ids, top_lp, ranks)
+
+
+def _scatter_rows(x: torch.Tensor, rows: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    """``x``'s rows at ``rows`` of an ``n``-row tensor, ``fill`` elsewhere."""
+    out = torch.full((n, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+    out[rows] = x
+    return out

@@ -158,6 +158,28 @@ def test_logprobs_topk_and_prompt_logprobs(llama_dir, llm):
     assert math.isclose(out.outputs[0].cumulative_logprob, total, abs_tol=1e-4)
 
 
+def test_logprobs_beside_rows_that_do_not_ask(llm):
+    """Only the rows that want logprobs get them computed: in a batch of requests without logprobs, a logprobs
+    request and a best_of one (ranked by cumulative logprob) read as they do alone."""
+    target, ranked = random_prompts(2, seed=31, min_len=10)
+    lp_params = SamplingParams(temperature=0.8, seed=5, max_tokens=8, logprobs=2)
+    best_params = SamplingParams(temperature=1.0, seed=6, max_tokens=6, n=1, best_of=3)
+    alone = _gen(llm, [target], lp_params)[0].outputs[0]
+    best_alone = _gen(llm, [ranked], best_params)[0].outputs[0]
+    others = random_prompts(12, seed=32)
+    params = [SamplingParams(temperature=t, seed=7, max_tokens=10) for t in [0.0, 0.7] * 6]
+    outs = llm.generate([{"prompt_token_ids": p} for p in [*others[:6], target, ranked, *others[6:]]],
+                        [*params[:6], lp_params, best_params, *params[6:]], use_tqdm=False)
+    got, best = outs[6].outputs[0], outs[7].outputs[0]
+    assert got.token_ids == alone.token_ids and best.token_ids == best_alone.token_ids
+    for a, b, t in zip(got.logprobs, alone.logprobs, alone.token_ids):
+        assert set(a) == set(b) and abs(a[t].logprob - b[t].logprob) < 1e-5 and a[t].rank == b[t].rank
+    assert math.isclose(got.cumulative_logprob, alone.cumulative_logprob, abs_tol=1e-4)
+    assert math.isclose(best.cumulative_logprob, best_alone.cumulative_logprob, abs_tol=1e-4)
+    assert all(o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None
+               for i, o in enumerate(outs) if i not in (6, 7))
+
+
 def test_prompt_logprobs_with_chunked_prefill(llama_dir, llm):
     prompt = random_prompts(1, seed=26, min_len=40, max_len=50)[0]
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)

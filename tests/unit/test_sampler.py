@@ -145,3 +145,21 @@ def test_sampling_kernel_draws_only_what_the_filters_keep():
     assert torch.allclose(draws(top_p=0.51), expect([1, 3, 6]), atol=0.002)
     assert torch.allclose(draws(min_p=0.5), expect([1, 3, 6]), atol=0.002)  # >= 0.15
     assert torch.allclose(draws(top_k=4, top_p=0.9), expect([1, 3, 6, 4]), atol=0.002)
+
+
+def test_logprobs_of_some_rows_equal_the_whole_batch_s():
+    """With ``logprob_rows`` only those rows' logprobs are computed: the same values as over the whole batch, and
+    0 / rank 1 / zeros in the rows that did not ask."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=g) * 3
+    md = _md(6, max_num_logprobs=4)
+    full = sample(logits, md)
+    rows = torch.tensor([1, 4])
+    part = sample(logits, _md(6, max_num_logprobs=4, logprob_rows=rows))
+    assert torch.equal(part.token_ids, full.token_ids)
+    for name in ("logprobs", "top_ids", "top_logprobs", "ranks"):
+        got, want = getattr(part, name), getattr(full, name)
+        assert torch.equal(got[rows], want[rows]), name
+        others = got[[0, 2, 3, 5]]
+        assert torch.equal(others, torch.full_like(others, 1 if name == "ranks" else 0)), name
+    assert (full.ranks[[0, 2, 3, 5]] >= 1).all() and full.logprobs.abs().sum() > 0
