@@ -47,7 +47,7 @@ def cli_runs(ray_cluster, llama_dir):
     procs = {
         "doctor-bad-ifname": (PS + ["doctor", llama_dir], bad),
         "serve-bad-ifname": (PS + ["serve", llama_dir, "--host", "127.0.0.1", "--grpc-port", str(free_port()),
-                                   "--port", str(free_port())], bad),
+                                   "--port", str(free_port()), "--metrics-port", str(free_port())], bad),
     }
     started = {k: (time.monotonic(), subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                       text=True)) for k, (cmd, env) in procs.items()}
