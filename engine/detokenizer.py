@@ -6,7 +6,7 @@ to U+FFFD) is held back until the character completes, and with stop strings the
 """
 from __future__ import annotations
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded alongside, so leading-space rules see real context
 

@@ -11,14 +11,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
-from pagedserve.config import EngineConfig
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.errors import DuplicateRequestError, EngineUnavailableError, WorkerFailedError
+from pagedserve.common.outputs import EngineCoreOutput
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.executor import Executor, create_executor
 from pagedserve.engine.gc_heap import freeze_gc_heap
 from pagedserve.engine.tokenizer import guidance_tokenizer, load_tokenizer
-from pagedserve.errors import DuplicateRequestError, EngineUnavailableError, WorkerFailedError
-from pagedserve.outputs import EngineCoreOutput
-from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.kv_events import KVCacheSnapshot, KVEvent
 from pagedserve.scheduler.request import Request, Sequence, child_seed
 from pagedserve.scheduler.scheduler import Scheduler
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
 WARMUP_ID = "__warmup__"
-MAX_RESUMES = 3  # worker-group failures a request survives (recomputed each time) before it ends with an error
+MAX_WORKER_FAILURES = 3  # worker-group failures a request survives (recomputed each time) before it ends with an error
 REPEATED_FAILURES = 2  # the same step failure this many times in a row: the model is probed alone
 GRAMMAR_IDLE_WAIT_S = 0.005  # an idle step's wait for a grammar compile (a new request waits at most this more)
 
@@ -86,22 +86,11 @@ class EngineCore:
         self.vocab_size = config.model_config.vocab_size
         self._executor_factory = executor_factory
         self.executor = executor_factory(config)
-        num_blocks = self.executor.determine_num_blocks()
-        cc = config.cache_config
-        if num_blocks < 1:
-            raise ValueError("no memory left for the KV cache; raise kv_cache_memory or gpu_memory_utilization")
-        # Swapping more than the device pool holds cannot help.
-        cc.num_blocks = num_blocks
-        cc.num_cpu_blocks = min(self.executor.num_cpu_blocks(), num_blocks)
-        self.executor.init_kv_cache(cc.num_blocks, cc.num_cpu_blocks)
-        logger.info("KV cache: %d blocks = %d tokens (+ %d CPU swap blocks)", num_blocks, num_blocks * cc.block_size,
-                    cc.num_cpu_blocks)
-        mc = config.model_config
-        structured = StructuredOutputManager(
-            lambda: guidance_tokenizer(load_tokenizer(mc.tokenizer), mc.vocab_size, mc.eos_token_ids), mc.vocab_size,
-            config.structured_outputs_config)
-        self.scheduler = Scheduler(config.scheduler_config, cc, config.speculative_config, structured)
-        self.scheduler.overlap_grammar_bitmask = self.executor.in_process
+        try:
+            self.scheduler = self._init_kv_cache_and_scheduler()
+        except BaseException:
+            self.executor.shutdown()  # workers, placement group and KV cache go before the error does
+            raise
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self.last_step: StepStats | None = None
@@ -114,6 +103,25 @@ class EngineCore:
         self._probing = False  # running the warm-up request alone to see whether the model can run at all
         freeze_gc_heap()
 
+    def _init_kv_cache_and_scheduler(self) -> Scheduler:
+        config, cc = self.config, self.config.cache_config
+        num_blocks = self.executor.determine_num_blocks()
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache; raise kv_cache_memory or gpu_memory_utilization")
+        # Swapping more than the device pool holds cannot help.
+        cc.num_blocks = num_blocks
+        cc.num_cpu_blocks = min(self.executor.num_cpu_blocks(), num_blocks)
+        self.executor.init_kv_cache(cc.num_blocks, cc.num_cpu_blocks)
+        logger.info("KV cache: %d blocks = %d tokens (+ %d CPU swap blocks)", num_blocks, num_blocks * cc.block_size,
+                    cc.num_cpu_blocks)
+        mc = config.model_config
+        structured = StructuredOutputManager(
+            lambda: guidance_tokenizer(load_tokenizer(mc.tokenizer), mc.vocab_size, mc.eos_token_ids), mc.vocab_size,
+            config.structured_outputs_config)
+        scheduler = Scheduler(config.scheduler_config, cc, config.speculative_config, structured)
+        scheduler.overlap_grammar_bitmask = self.executor.in_process
+        return scheduler
+
     def get_info(self) -> EngineInfo:
         mc, cc = self.config.model_config, self.config.cache_config
         return EngineInfo(model=mc.model, architecture=mc.architecture, dtype=str(mc.dtype).removeprefix("torch."),
@@ -122,7 +130,8 @@ class EngineCore:
                           tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
                           block_size=cc.block_size, num_kv_blocks=cc.num_blocks,
                           enable_prefix_caching=cc.enable_prefix_caching, limits=self.config.request_limits,
-                          stream_interval=self.config.scheduler_config.stream_interval)
+                          stream_interval=self.config.scheduler_config.stream_interval,
+                          scheduling_policy=self.config.scheduler_config.scheduling_policy)
 
     def add_request(self, request: EngineCoreRequest) -> Request:
         """Queue a request the input processor made; beam_params make it a beam search; a resume state continues
@@ -143,7 +152,8 @@ class EngineCore:
                              prompt_len=len(ids), seed=child_seed(base_seed, c.index),
                              cumulative_logprob=c.cumulative_logprob) for c in resume.completions]
         req = Request(request.request_id, list(ids), params, seqs, arrival_index=next(self._arrivals),
-                      cache_salt=request.cache_salt, seed=base_seed, beam_params=request.beam_params)
+                      cache_salt=request.cache_salt, seed=base_seed, beam_params=request.beam_params,
+                      priority=request.priority, tenant=request.tenant)
         if resume is not None:
             req.next_seq_index = max(params.best_of, *(s.index + 1 for s in seqs))
             req.num_prompt_logprobs = resume.num_prompt_logprobs
@@ -239,7 +249,7 @@ class EngineCore:
         if repeats >= REPEATED_FAILURES:  # recomputing them would fail again: they end with the model's error
             outputs = self.scheduler.fail_all(f"the model failed {repeats} times in a row: {self._streak.last}")
         else:
-            outputs = self.scheduler.requeue_all(MAX_RESUMES)
+            outputs = self.scheduler.requeue_all(MAX_WORKER_FAILURES)
         self.executor.shutdown()
         try:
             self.executor = self._executor_factory(self.config)

@@ -15,8 +15,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import llguidance
 
-from pagedserve.errors import OverloadedError
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.common.errors import OverloadedError
+from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.scheduler.grammar_compiler import GrammarCompiler, constraint_key
 from pagedserve.scheduler.structured_output import grammar_error
 

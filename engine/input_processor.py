@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 
+from pagedserve.common.config import utf8_size_over
+from pagedserve.common.errors import InvalidRequestError
+from pagedserve.common.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo
 from pagedserve.engine.grammar_check import GrammarCheck
 from pagedserve.engine.tokenizer import guidance_tokenizer
-from pagedserve.errors import InvalidRequestError
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.scheduler.request import DEFAULT_TENANT, Tenant
 
 # Text, token ids, or a dict with "prompt" or "prompt_token_ids" (and optionally "cache_salt"), as in vLLM.
 PromptType = str | list[int] | dict
@@ -45,17 +47,19 @@ class InputProcessor:
         if self.tokenizer is None:
             raise InvalidRequestError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init")
         limit = self.info.limits.max_prompt_bytes
+        size = utf8_size_over(prompt, limit)
+        if size is not None:
+            raise InvalidRequestError(f"prompt is {size} bytes; the limit is {limit} (max_prompt_bytes)")
         try:
-            size = len(prompt) if len(prompt) * 4 <= limit else len(prompt.encode())  # UTF-8: <= 4 bytes a char
+            return prompt, self.tokenizer.encode(prompt) if prompt else [], salt
         except UnicodeEncodeError:  # lone surrogates, as JSON can carry
             raise InvalidRequestError("prompt is not valid Unicode text (unpaired surrogates)") from None
-        if size > limit:
-            raise InvalidRequestError(f"prompt is {size} bytes; the limit is {limit} (max_prompt_bytes)")
-        return prompt, self.tokenizer.encode(prompt) if prompt else [], salt
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None = None,
-                cache_salt: str | None = None) -> tuple[str | None, EngineCoreRequest]:
+                cache_salt: str | None = None, priority: int = 0, tenant: Tenant = DEFAULT_TENANT
+                ) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text, the request as the engine core queues it); raises InvalidRequestError naming the field."""
+        self._check_priority(priority)
         text, ids, salt = self.tokenize(prompt)
         max_seqs = self.info.limits.max_seqs
         if isinstance(params, BeamSearchParams):
@@ -64,7 +68,8 @@ class InputProcessor:
                                           f"got {params.beam_width}")
             step = self.beam_step_params(params)
             self._check(ids, step, params.beam_width)
-            return text, EngineCoreRequest(request_id, ids, step, params, cache_salt or salt)
+            return text, EngineCoreRequest(request_id, ids, step, params, cache_salt or salt, priority=priority,
+                                           tenant=tenant)
         params = self._prepare(params)
         if params.structured_outputs is not None:
             self._check_structured(params)
@@ -79,7 +84,16 @@ class InputProcessor:
         self._check(ids, params, params.best_of)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
-        return text, EngineCoreRequest(request_id, ids, params, None, cache_salt or salt)
+        return text, EngineCoreRequest(request_id, ids, params, None, cache_salt or salt, priority=priority,
+                                       tenant=tenant)
+
+    def _check_priority(self, priority: int) -> None:
+        """As vLLM: an integer, and other than 0 only under the priority policy (it would be silently ignored)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.info.scheduling_policy != "priority":
+            raise InvalidRequestError(f"priority {priority} needs --scheduling-policy priority; this engine "
+                                      f"schedules {self.info.scheduling_policy}")
 
     def _check_structured(self, params: SamplingParams) -> None:
         """Compile-check the constraint here, before anything is allocated: a bad schema or regex is refused with

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from pagedserve.common.outputs import BeamSearchOutput, RequestOutput
+from pagedserve.common.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.outputs import BeamSearchOutput, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -46,7 +46,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """``priority``: one per prompt, lower first, with ``scheduling_policy="priority"`` (vLLM's)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -57,7 +58,10 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        return self._run(self._add_all(prompts, params), use_tqdm)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        return self._run(self._add_all(prompts, params, priorities), use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -65,17 +69,17 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        return self._run(self._add_all(prompts, [params] * len(prompts)), use_tqdm)
+        return self._run(self._add_all(prompts, [params] * len(prompts), [0] * len(prompts)), use_tqdm)
 
-    def _add_all(self, prompts: list[PromptType], params: list) -> list[str]:
+    def _add_all(self, prompts: list[PromptType], params: list, priorities: list[int]) -> list[str]:
         """Process every request first, so a bad one leaves nothing half-queued; then queue them all."""
         if not self._release.alive:
             raise RuntimeError("this LLM was shut down; build a new one")
         engine = self.llm_engine
         processed = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for i, (p, sp, prio) in enumerate(zip(prompts, params, priorities)):
             try:
-                processed.append(engine.process_request(None, p, sp))
+                processed.append(engine.process_request(None, p, sp, prio))
             except ValueError as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         return [engine.add_processed_request(text, req) for text, req in processed]

@@ -4,7 +4,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from pagedserve.config import EngineConfig
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.errors import InvalidRequestError
+from pagedserve.common.outputs import BeamSearchOutput, RequestOutput
+from pagedserve.common.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import EngineCoreRequest
 from pagedserve.engine.engine_core import EngineCore
@@ -12,9 +15,6 @@ from pagedserve.engine.executor import Executor, create_executor
 from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.tokenizer import load_tokenizer
-from pagedserve.errors import InvalidRequestError
-from pagedserve.outputs import BeamSearchOutput, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLMEngine:
@@ -23,9 +23,13 @@ class LLMEngine:
         self.config = config
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or config.model_config.model)
         self.core = EngineCore(config, executor_factory)
-        self.input_processor = InputProcessor(self.tokenizer, self.core.get_info())
-        self.output_processor = OutputProcessor(self.tokenizer, self.core.stop_sequence,
-                                                config.scheduler_config.stream_interval)
+        try:
+            self.input_processor = InputProcessor(self.tokenizer, self.core.get_info())
+            self.output_processor = OutputProcessor(self.tokenizer, self.core.stop_sequence,
+                                                    config.scheduler_config.stream_interval)
+        except BaseException:
+            self.core.shutdown()
+            raise
         self._ids = itertools.count()
 
     @classmethod
@@ -34,13 +38,13 @@ class LLMEngine:
         return cls(args.create_engine_config(), args.tokenizer, args.skip_tokenizer_init, executor_factory)
 
     def process_request(self, request_id: str | None, prompt: PromptType,
-                        params: SamplingParams | BeamSearchParams | None = None
+                        params: SamplingParams | BeamSearchParams | None = None, priority: int = 0
                         ) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and validate a request without queueing it (raises InvalidRequestError)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.states:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        return self.input_processor.process(request_id, prompt, params)
+        return self.input_processor.process(request_id, prompt, params, priority=priority)
 
     def add_processed_request(self, prompt: str | None, request: EngineCoreRequest, stream: bool = False) -> str:
         """Queue a request made by ``process_request``. ``stream`` detokenizes every step (for streaming) rather
@@ -51,10 +55,11 @@ class LLMEngine:
         return request.request_id
 
     def add_request(self, request_id: str | None, prompt: PromptType,
-                    params: SamplingParams | BeamSearchParams | None = None, stream: bool = False) -> str:
+                    params: SamplingParams | BeamSearchParams | None = None, stream: bool = False,
+                    priority: int = 0) -> str:
         """Queue a request. With ``BeamSearchParams`` it is a beam search, whose single output is a
-        ``BeamSearchOutput``."""
-        return self.add_processed_request(*self.process_request(request_id, prompt, params), stream)
+        ``BeamSearchOutput``. ``priority``: lower first, under ``scheduling_policy="priority"`` (vLLM's)."""
+        return self.add_processed_request(*self.process_request(request_id, prompt, params, priority), stream)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:

@@ -9,7 +9,7 @@ import os
 import torch
 from transformers import AutoConfig, GenerationConfig
 
-from pagedserve.config import ModelConfig
+from pagedserve.common.config import AttentionShape, ModelConfig
 from pagedserve.worker.cpu import auto_dtype
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
@@ -71,8 +71,8 @@ def _derive_max_model_len(hf_config) -> int:
 
 def check_tensor_parallel(hf_config, tp: int) -> None:
     """Fail before any worker starts when the model cannot be split ``tp`` ways."""
-    heads = hf_config.num_attention_heads
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    shape = AttentionShape.of(hf_config)
+    heads, kv = shape.num_heads, shape.num_kv_heads
     if heads % tp:
         raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_parallel_size ({tp})")
     if kv % tp and tp % kv:

@@ -7,9 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.engine.core_types import ResumedCompletion, ResumeState
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.outputs import (
+from pagedserve.common.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
     CompletionOutput,
@@ -18,7 +16,9 @@ from pagedserve.outputs import (
     RequestOutput,
     TokenLogprobs,
 )
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.common.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.engine.core_types import ResumedCompletion, ResumeState
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 
 
 @dataclass

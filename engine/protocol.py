@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from prometheus_client.core import Metric
 
+from pagedserve.common.outputs import BeamSearchOutput, RequestOutput
+from pagedserve.common.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats, ScaleResult
 from pagedserve.engine.input_processor import PromptType
-from pagedserve.outputs import BeamSearchOutput, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.scheduler.request import DEFAULT_TENANT, Tenant
 
 
 class EngineClient(ABC):
@@ -37,15 +38,20 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
-                      cache_salt: str | None = None) -> tuple[str | None, EngineCoreRequest]:
-        """Tokenize and validate (the one intake path); raises InvalidRequestError naming the field."""
+                      cache_salt: str | None = None, priority: int = 0, tenant: Tenant = DEFAULT_TENANT
+                      ) -> tuple[str | None, EngineCoreRequest]:
+        """Tokenize and validate (the one intake path); raises InvalidRequestError naming the field. ``priority``
+        and ``tenant`` go with the request into the replica's scheduler."""
 
     @abstractmethod
     def generate(self, prompt: str | None, request: EngineCoreRequest, stream: bool = True,
-                 session_id: str | None = None) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
+                 session_id: str | None = None, on_first_output: Callable[[], None] | None = None
+                 ) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
         """Run a processed request: its delta outputs (every step's when ``stream``, else the final one). Raises
         OverloadedError or EngineUnavailableError; closing the iterator early aborts the request. ``session_id``
-        (the client's, if any) keeps a session's requests on one replica where that helps."""
+        (the client's, if any) keeps a session's requests on one replica where that helps. ``on_first_output`` is
+        called once, on the event loop, when the engine's first output for the request arrives (its first token,
+        streamed or not; beam search: its result): the end of its wait and its prefill. It must not raise."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> bool:

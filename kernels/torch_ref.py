@@ -1,6 +1,7 @@
-"""Torch reference ops: the paged KV cache, random sampling, and the weight-only int8 linear.
+"""Torch reference ops, the executable spec of every kernel: the paged KV cache and attention, the element-wise ops
+(RMSNorm, rotary, SiLU-and-mul, row gathers), sampling, and the weight-only int8 linear.
 
-These define the semantics every other backend (Triton) must reproduce exactly.
+These define the semantics every other backend (C++, Triton) must reproduce exactly; the torch backend runs them.
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer, for K and V.
 A packed batch holds ``B`` sequences; sequence ``b`` owns query rows
@@ -273,3 +274,70 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x^2) + eps))`` over the last dim, normalized in fp32 and rounded to x's dtype before
+    the weight multiplies (LLaMA's order)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``: a decoder layer's norm and its new residual. The C++ kernel writes
+    both in place over ``x`` and ``residual``; callers use the returned pair."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style rotary on the first ``rotary_dim`` of each head of ``q [T, Hq, D]`` and ``k [T, Hkv, D]``, the
+    pairs ``(x[i], x[i + rotary_dim / 2])`` turned by the angles of ``cos``/``sin [max_pos, rotary_dim / 2]``
+    (fp32) at each token's position, in q's dtype. The C++ kernel rotates in place; callers use the returned pair."""
+    c = cos[positions].unsqueeze(1).to(q.dtype)
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+    return turn(q), turn(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` for ``x [..., 2I]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gather_rows(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``src[ids]`` for ``src [V, H]`` and int64 ids of any shape (an embedding lookup)."""
+    return F.embedding(ids, src)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum of ``x [B, V]``."""
+    return x.argmax(dim=1)
+
+
+def fused_moe(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+    """One rank's share of a SwiGLU MoE layer: ``sum_k topk_weights[t, k] * expert(x[t])`` over the choices k whose
+    expert is one of this rank's, ``expert_start + i`` for ``w13[i] [2I, H]`` (gate rows, then up rows) and
+    ``w2[i] [H, I]``; the others add nothing. Each expert runs once on its tokens (in token order), its outputs
+    weighted in fp32 and summed over k in k order, in x's dtype at the end."""
+    per_choice = torch.zeros(*topk_ids.shape, x.shape[-1], dtype=torch.float32, device=x.device)
+    for i, (gate_up, down) in enumerate(zip(w13, w2)):
+        tokens, choices = (topk_ids == expert_start + i).nonzero(as_tuple=True)
+        if tokens.numel():
+            y = F.linear(silu_and_mul(F.linear(x[tokens], gate_up)), down)
+            per_choice[tokens, choices] = y.float() * topk_weights[tokens, choices, None].float()
+    out = per_choice[:, 0]
+    for k in range(1, topk_ids.shape[1]):
+        out = out + per_choice[:, k]
+    return out.to(x.dtype)

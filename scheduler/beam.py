@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedserve.outputs import BeamSearchSequence
+from pagedserve.common.outputs import BeamSearchSequence
 from pagedserve.scheduler.request import BeamState, Request, RequestStatus, Sequence
 
 _NEG = np.float32(-1.0e9)

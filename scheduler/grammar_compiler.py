@@ -21,8 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from pagedserve.errors import OverloadedError
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.common.errors import OverloadedError
+from pagedserve.common.sampling_params import StructuredOutputsParams
 
 T = TypeVar("T")
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)

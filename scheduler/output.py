@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedserve.outputs import TokenLogprobs
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.outputs import TokenLogprobs
+from pagedserve.common.sampling_params import SamplingParams
 
 
 @dataclass

@@ -5,8 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.outputs import BeamSearchSequence, TokenLogprobs
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.common.outputs import BeamSearchSequence, TokenLogprobs
+from pagedserve.common.sampling_params import BeamSearchParams, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -24,6 +24,18 @@ class RequestStatus(enum.IntEnum):
 
 
 _MASK63 = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who a request is for: its API key's name, a header's value, or the default. Token fairness shares the engine
+    between tenants in proportion to ``weight``."""
+
+    name: str = "default"
+    weight: float = 1.0
+
+
+DEFAULT_TENANT = Tenant()
 
 
 def child_seed(base: int, index: int) -> int:
@@ -108,6 +120,8 @@ class Request:
     sampling_params: SamplingParams
     seqs: list[Sequence]
     arrival_index: int  # FCFS order; preemption picks the highest
+    priority: int = 0  # with the priority policy, lower runs first (vLLM's)
+    tenant: Tenant = DEFAULT_TENANT
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     prompt_logprobs_done: bool = False

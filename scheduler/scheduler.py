@@ -1,10 +1,12 @@
-"""Iteration-level scheduling: every step, running requests first, then swapped, then waiting (FCFS).
+"""Iteration-level scheduling: every step, running requests first, then swapped, then waiting, each in the
+policy's order (``request_queue.py``: arrival, or priority then arrival, with token fairness between tenants).
 
 Each sequence tracks ``num_computed_tokens``; a step schedules ``num_tokens - num_computed_tokens``
 of them (capped by the token budget), which covers prefill, chunked prefill, decode and
 recompute-after-preemption alike. A sequence samples when its scheduled chunk reaches its last token.
-When blocks run out the latest arrival is preempted: its KV is dropped and recomputed later, or,
-for requests with several sequences (parallel sampling, beams), swapped out to CPU blocks.
+When blocks run out the last in that order is preempted: its KV is dropped and recomputed later, or,
+for requests with several sequences (parallel sampling, beams), swapped out to CPU blocks. Under the priority policy
+a waiting request that cannot start preempts running requests of a worse priority first.
 With ``max_decode_stall_ms`` set, running decodes sit out steps while prompts wait (prefill first), each for at most
 that long since it last ran.
 """
@@ -16,12 +18,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from pagedserve.outputs import EngineCoreOutput
+from pagedserve.common.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagedserve.common.outputs import EngineCoreOutput
 from pagedserve.scheduler.beam import BeamSearcher
 from pagedserve.scheduler.block_manager import NULL_BLOCK, BlockManager
 from pagedserve.scheduler.output import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
 from pagedserve.scheduler.request import FINISH_REASONS, Request, RequestStatus, Sequence, child_seed
+from pagedserve.scheduler.request_queue import FAIRNESS_MODES, TokenFairness, WaitingQueue, order_key
 from pagedserve.scheduler.spec_decode import propose_ngram
 from pagedserve.scheduler.stats import SchedulerStats
 from pagedserve.scheduler.structured_output import StructuredOutputManager
@@ -48,9 +51,13 @@ class Scheduler:
                                           cache_config.enable_prefix_caching, cache_config.num_cpu_blocks,
                                           cache_config.enable_block_sharing,
                                           sliding_window=cache_config.sliding_window)
-        self.waiting: deque[Request] = deque()
-        self.swapped: deque[Request] = deque()
-        self.running: list[Request] = []  # sorted by arrival_index
+        self.key = order_key(config.scheduling_policy)
+        if config.fairness not in FAIRNESS_MODES:
+            raise ValueError(f"fairness must be one of {FAIRNESS_MODES}, got {config.fairness!r}")
+        self.fairness = TokenFairness() if config.fairness == "tokens" else None
+        self.waiting = WaitingQueue(self.key, self.fairness)
+        self.swapped: deque[Request] = deque()  # sorted by key
+        self.running: list[Request] = []  # sorted by key
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, tuple[Request, Sequence]] = {}
         self._finished_seq_ids: set[int] = set()
@@ -74,7 +81,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self.seqs[seq.seq_id] = (request, seq)
-        self.waiting.append(request)
+        if self.fairness is not None:
+            self.fairness.arrive(request)
+        self.waiting.add(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -114,7 +123,7 @@ class Scheduler:
             self._finish_request(req, RequestStatus.FINISHED_ERROR)
         self.running.clear()
         self.swapped.clear()
-        self.waiting = deque(sorted(requeued, key=lambda r: r.arrival_index))
+        self.waiting.replace_all(requeued)
         self.block_manager.reset_prefix_cache()
         self._finished_seq_ids.clear()  # the new workers hold no sequence state
         return [self._core_output(req, EngineCoreOutput(req.request_id), error) for req in failed]
@@ -156,6 +165,8 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if req in queue:
                 queue.remove(req)
+        if self.fairness is not None and not req.finished:
+            self.fairness.leave(req)
         req.status = status
         self.requests.pop(req.request_id, None)
 
@@ -172,7 +183,7 @@ class Scheduler:
             mode = "swap" if len(req.live_seqs) > 1 else "recompute"  # nothing is shared before the fork
         if mode == "swap" and self._swap_out(req, out):
             self.swapped.append(req)
-            self.swapped = deque(sorted(self.swapped, key=lambda r: r.arrival_index))
+            self.swapped = deque(sorted(self.swapped, key=self.key))
         else:
             mode = "recompute"
             for seq in req.live_seqs:
@@ -180,7 +191,7 @@ class Scheduler:
                 _reset_for_recompute(seq)
                 self._finished_seq_ids.add(seq.seq_id)
             req.status = RequestStatus.WAITING
-            self.waiting.appendleft(req)
+            self.waiting.add(req)
         req.num_preemptions += 1
         self.stats.num_preemptions[mode] += 1
 
@@ -221,28 +232,31 @@ class Scheduler:
             spec = None  # a batch this wide keeps the hardware busy: drafts would cost more than they save
 
         now = time.monotonic()
+        head = self._make_way_by_priority(out) if self.config.scheduling_policy == "priority" else None
         held = self._held_decodes(now)
         self._schedule_running(out, step, spec, now, held, held_only=False)
 
         if not step.preempted:
             while self.swapped and step.tokens > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.swapped[0]
+                if head is not None and head.priority < req.priority:
+                    break  # only a better priority lets a waiting request go before a swapped one
                 n = self._admit_tokens(req, step.tokens)
                 if n <= 0 or not self._swap_in(req, n, out):
                     break
                 self.swapped.popleft()
                 if not self._allocate(req, n, out):
                     raise RuntimeError("swap-in reserved too few blocks")
-                bisect.insort(self.running, req, key=lambda r: r.arrival_index)
+                bisect.insort(self.running, req, key=self.key)
                 req.last_scheduled_time = now
                 step.tokens -= self._schedule_request(out, req, n)
 
-        j = 0  # FCFS, except that a request whose grammar is still compiling lets the ones behind it go first
-        while (j < len(self.waiting) and step.tokens > 0 and not step.preempted and not self.swapped
-               and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[j]
-            if self.structured is not None and not self.structured.ready(req.request_id):
-                j += 1
+        # In order, except that a request whose grammar is still compiling lets the ones behind it go first.
+        for req in self.waiting.admission_order():
+            if (step.tokens <= 0 or step.preempted or len(self.running) >= self.config.max_num_seqs
+                    or (self.swapped and self.swapped[0].priority <= req.priority)):
+                break
+            if not self._grammar_ready(req):
                 continue
             if not self._admit(req, step.tokens, out):
                 break
@@ -261,6 +275,42 @@ class Scheduler:
         self._record_stats()
         return out
 
+    def _grammar_ready(self, req: Request) -> bool:
+        return self.structured is None or self.structured.ready(req.request_id)
+
+    def _make_way_by_priority(self, out: SchedulerOutput) -> Request | None:
+        """Running requests of a worse priority, the worst first, make way for the waiting requests ahead of them,
+        as many as can start this step: each needs a sequence slot and the blocks for its first chunk (its cached
+        prefix aside) beside the running requests' next tokens. Returns the first waiting request whose grammar
+        (if any) is ready: nothing swapped of a worse priority goes before it."""
+        bm = self.block_manager
+        budget, slots, blocks = self.config.max_num_batched_tokens, 0, 0
+        first = None
+        for req in self.waiting.admission_order():
+            if not self._grammar_ready(req):
+                continue
+            first = first or req
+            n = self._admit_tokens(req, budget)
+            if n <= 0:
+                break
+            need = bm.group_blocks_needed(req.live_seqs, n)
+            while (self.running and self.running[-1].priority > req.priority
+                   and self._short_of_room(slots + 1, blocks + need)):
+                self._preempt(self.running[-1], out)
+            if self._short_of_room(slots + 1, blocks + need):
+                break
+            budget, slots, blocks = budget - n, slots + 1, blocks + need
+        return first
+
+    def _short_of_room(self, slots: int, blocks: int) -> bool:
+        """Whether ``slots`` more sequences and ``blocks`` more blocks do not fit beside the running requests and
+        their next tokens."""
+        if len(self.running) + slots > self.config.max_num_seqs:
+            return True
+        bm = self.block_manager
+        taken = blocks + sum(bm.group_blocks_needed(r.live_seqs, 1) for r in self.running)
+        return bm.num_free_blocks - taken < bm.watermark_blocks
+
     def _held_decodes(self, now: float) -> set[str]:
         """Running decodes to hold back this step so that prompts prefill first (lower TTFT under bursts, wider
         decode batches after), each for at most ``max_decode_stall_ms`` since it last ran."""
@@ -274,8 +324,8 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, step: _StepBudget, spec: SpeculativeConfig | None,
                           now: float, held: set[str], held_only: bool) -> None:
-        """Schedule the running requests in arrival order (the held decodes, or all but them), preempting the
-        latest arrivals when blocks run out."""
+        """Schedule the running requests in order (the held decodes, or all but them), preempting the last ones
+        when blocks run out."""
         i = 0
         while i < len(self.running) and step.tokens > 0:
             req = self.running[i]
@@ -379,7 +429,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         for s in seqs:
             s.status = RequestStatus.RUNNING
-        bisect.insort(self.running, req, key=lambda r: r.arrival_index)
+        bisect.insort(self.running, req, key=self.key)
         return True
 
     def _schedule_request(self, out: SchedulerOutput, req: Request, n: int) -> int:
@@ -417,6 +467,8 @@ class Scheduler:
             out.fork_seeds[seq.seq_id] = [child_seed(seq.seed, j) for j in range(1, best_of)]
         out.num_scheduled_tokens[seq.seq_id] = n
         out.total_num_scheduled_tokens += n
+        if self.fairness is not None:
+            self.fairness.charge(req, n)
         return n
 
     def _record_stats(self) -> None:

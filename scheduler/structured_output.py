@@ -27,8 +27,8 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
-from pagedserve.config import StructuredOutputsConfig
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.common.config import StructuredOutputsConfig
+from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.scheduler.grammar_compiler import Compile, GrammarCompiler
 
 _ANY_JSON_OBJECT = '{"type": "object"}'

@@ -1,0 +1,5 @@
+"""The test suite: ``unit``, ``engine``, ``cluster`` and ``deploy``, marked by folder."""
+if "." not in __name__:  # imported as a top-level name (the checkout root on sys.path): see pagedserve/__init__.py
+    from pagedserve import _yield_top_level_name
+
+    _yield_top_level_name(__name__)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.tests.utils import make_model, make_tokenizer
+from pagedserve.kernels.cpu import extension as cpu_extension
+from pagedserve.tests.utils import backend_context, cpu_backend, make_model, make_tokenizer
 
 torch.set_num_threads(2)
 
@@ -39,14 +40,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(getattr(pytest.mark, parts[0]))
 
 
+@pytest.fixture
+def cpu_kernels():
+    """Layers run alone on the C++ backend (the spec where the extension is not built), as a CPU worker runs them."""
+    with backend_context(cpu_backend() if cpu_extension.available() else None):
+        yield
+
+
 @pytest.fixture(scope="module")
 def load_benchmark():
-    """load_benchmark(name) -> benchmarks/<name>.py as a module, in sys.modules (its dataclasses look it up there)
+    """load_benchmark(name) -> benchmarks/bench_<name>.py as a module, in sys.modules (its dataclasses look it up there)
     until the test module ends."""
     loaded: list[str] = []
 
     def load(name: str):
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", f"{name}.py")
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", f"bench_{name}.py")
         spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod

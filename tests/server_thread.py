@@ -22,7 +22,8 @@ from ray.cluster_utils import Cluster
 
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.entrypoints.gateway import GatewaySpec, run_gateway
-from pagedserve.cluster.entrypoints.serve import ServeOptions, serve
+from pagedserve.cluster.entrypoints.serve import serve
+from pagedserve.cluster.entrypoints.serve_options import ServeOptions
 from pagedserve.engine.arg_utils import EngineArgs
 
 
@@ -147,7 +148,7 @@ class ServerThread(_LoopThread):
 
     @property
     def replicas(self):
-        return [r.replica for r in self.gateway.state.engine.replicas]
+        return list(self.gateway.state.engine.replicas)
 
     def client(self, **kw) -> Client:
         return Client(self.target, **kw)

@@ -1,6 +1,8 @@
 """Tiny random Hugging Face models (saved as safetensors dirs) and HF reference generation."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import json
 import os
@@ -12,8 +14,23 @@ from transformers import AutoModelForCausalLM
 
 from pagedserve import SamplingParams
 from pagedserve.engine.model_config import load_model_config
+from pagedserve.kernels.backend import KernelBackend
+from pagedserve.kernels.cpu.backend import CpuBackend
 from pagedserve.worker import parallel_state
+from pagedserve.worker.forward_context import ForwardContext, set_forward_context
 from pagedserve.worker.models.loader import load_model
+
+
+@functools.cache
+def cpu_backend() -> CpuBackend:
+    """The C++ backend, as a CPU worker of an fp32 or bf16 model has it (built on first use)."""
+    return CpuBackend(torch.device("cpu"), torch.float32)
+
+
+def backend_context(backend: KernelBackend | None = None, attn_metadata=None) -> contextlib.AbstractContextManager:
+    """A forward context for layers run alone (default: the torch backend, the spec)."""
+    return set_forward_context(ForwardContext(backend or KernelBackend(torch.device("cpu")), attn_metadata))
+
 
 VOCAB = 331  # not divisible by 2 or 4, so vocab padding for TP is exercised
 EOS = 2

@@ -1,0 +1,5 @@
+"""The workers: a model shard, its share of the paged KV cache, and the model runner that steps them."""
+if "." not in __name__:  # imported as a top-level name (the checkout root on sys.path): see pagedserve/__init__.py
+    from pagedserve import _yield_top_level_name
+
+    _yield_top_level_name(__name__)

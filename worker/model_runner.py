@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedserve.config import EngineConfig
-from pagedserve.kernels import get_backend, kv_cache_dtype
-from pagedserve.outputs import TokenLogprobs
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.outputs import TokenLogprobs
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.kernels.select import kv_cache_dtype, select_backend
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.cpu import prepare_model, zeros_huge_pages
-from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
+from pagedserve.worker.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from pagedserve.worker.layers.attention import Attention
 from pagedserve.worker.layers.embedding import take_rows
 from pagedserve.worker.models.loader import load_model
@@ -72,9 +72,8 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache_config.block_size
         self.model = load_model(config.model_config, device)
-        self.backend = get_backend(config.attention_backend)
-        if device.type == "cpu":
-            prepare_model(self.model, self.backend)
+        self.backend = select_backend(config.attention_backend, device, config.model_config.dtype)
+        prepare_model(self.model, self.backend)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.states: dict[int, SeqState] = {}
         self.k_caches: list[torch.Tensor] = []
@@ -184,8 +183,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slots).to(dev),
             block_tables=torch.from_numpy(block_tables).to(dev),
             query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            backend=self.backend)
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev))
         return StepInputs(seq_ids, torch.tensor(input_ids, dtype=torch.long, device=dev),
                           torch.from_numpy(positions).to(dev), attn, logits_seqs,
                           torch.tensor(logits_idx, dtype=torch.long, device=dev), prompt_chunks)
@@ -254,9 +252,12 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         t0 = time.perf_counter()
         inp = self.prepare_inputs(sched)
+        with set_forward_context(ForwardContext(self.backend, inp.attn)):
+            return self._forward_and_sample(sched, inp, t0)
+
+    def _forward_and_sample(self, sched: SchedulerOutput, inp: StepInputs, t0: float) -> ModelRunnerOutput:
         t1 = time.perf_counter()
-        with set_forward_context(inp.attn):
-            hidden = self.model(inp.input_ids, inp.positions)
+        hidden = self.model(inp.input_ids, inp.positions)
         out = ModelRunnerOutput([seq_id for seq_id, _ in inp.logits_seqs], [])
         if inp.prompt_chunks:
             out.prompt_logprobs = self._prompt_logprobs(hidden, inp)

@@ -40,7 +40,7 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 class LastDimGather:
     """``all_gather_last_dim`` into buffers kept across calls, for ``[rows, n]`` inputs of up to ``max_rows`` rows:
     the LM head gathers fp32 logits every step, tens of MB that a new tensor would fault in page by page each time
-    (as ``worker.cpu.packed_linear``'s kept output). A result is valid until the next call."""
+    (as the CPU backend's linear keeps its output). A result is valid until the next call."""
 
     def __init__(self, max_rows: int) -> None:
         self.max_rows = max_rows

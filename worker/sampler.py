@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels import cpu_fused, torch_ref
+from pagedserve.worker.forward_context import current_backend
 
 _MASK32 = 0xFFFFFFFF
 
@@ -46,7 +46,7 @@ class SamplingMetadata:
     output_tokens: torch.Tensor | None = None  # [B, Lo]
     # (row, token id) pairs banned this step (stop tokens before min_tokens is reached).
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Structured output: (rows, their int32 token bitmasks [R, W]; see torch_ref.apply_token_bitmask).
+    # Structured output: (rows, their int32 token bitmasks [R, W]; see kernels/torch_ref.apply_token_bitmask).
     token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int = -1  # -1: no row wants logprobs
     # The rows whose logprobs are wanted, when not all are; the others' read 0 (logprob, top) and rank 1.
@@ -80,35 +80,23 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits - md.presence_penalty.unsqueeze(1) * (out_counts > 0)
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """See ``torch_ref.apply_token_bitmask``; the C++ kernel for fp32 CPU logits."""
-    if cpu_fused.apply_token_bitmask_supported(logits, rows, bitmask):
-        return cpu_fused.apply_token_bitmask(logits, rows, bitmask)
-    return torch_ref.apply_token_bitmask(logits, rows, bitmask)
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    if cpu_fused.argmax_supported(logits):
-        return cpu_fused.argmax(logits)
-    return logits.argmax(dim=1)
-
-
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """Through the forward context's kernel backend."""
+    backend = current_backend()
     logits = logits.float()
     raw = logits
     if md.token_bitmask is not None:
-        logits = apply_token_bitmask(logits, *md.token_bitmask)
+        logits = backend.apply_token_bitmask(logits, *md.token_bitmask)
     if md.repetition_penalty is not None:
         logits = apply_penalties(logits, md)
     if md.banned is not None:
         logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
-    greedy = _argmax(logits)
+    greedy = backend.argmax(logits)
     if md.all_greedy:
         token_ids = greedy
     else:
         u = hashed_uniform(md.seeds, md.counters)
-        draw = cpu_fused.sample if cpu_fused.sample_supported(logits) else torch_ref.sample_rows
-        token_ids = draw(logits, md.temperature, md.top_k, md.top_p, md.min_p, u, greedy)
+        token_ids = backend.sample_rows(logits, md.temperature, md.top_k, md.top_p, md.min_p, u, greedy)
     if md.max_num_logprobs < 0:
         return SamplerOutput(token_ids, None, None, None, None)
     rows = md.logprob_rows

@@ -6,8 +6,8 @@ import logging
 import psutil
 import torch
 
-from pagedserve.config import EngineConfig
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler.output import ModelRunnerOutput, NewSeqData, SchedulerOutput
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.parallel_state import init_tensor_parallel
@@ -15,6 +15,22 @@ from pagedserve.worker.parallel_state import init_tensor_parallel
 logger = logging.getLogger(__name__)
 
 CPU_KV_FRACTION = 0.2  # default share of available RAM for the CPU KV pool
+
+
+def configured_kv_blocks(cc: CacheConfig, per_block: int) -> int | None:
+    """The KV blocks the flags fix (``num_gpu_blocks_override``, ``kv_cache_memory``), else None (sized from memory)."""
+    if cc.num_gpu_blocks_override:
+        return cc.num_gpu_blocks_override
+    if cc.kv_cache_memory is not None:
+        return cc.kv_cache_memory // per_block
+    return None
+
+
+def cpu_kv_blocks(available: int, per_block: int, cc: CacheConfig, sc: SchedulerConfig) -> int:
+    """A CPU pool's blocks by default: ``CPU_KV_FRACTION`` of the RAM ``available`` once the weights are loaded, but
+    never more than the scheduler could ever fill."""
+    ceiling = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size) + 1
+    return min(int(available * CPU_KV_FRACTION) // per_block, ceiling)
 
 
 class Worker:
@@ -44,18 +60,13 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
-        runner = self.model_runner
-        if cc.num_gpu_blocks_override:
-            return cc.num_gpu_blocks_override
-        per_block = runner.kv_bytes_per_block()
-        if cc.kv_cache_memory is not None:
-            return cc.kv_cache_memory // per_block
+        per_block = self.model_runner.kv_bytes_per_block()
+        configured = configured_kv_blocks(cc, per_block)
+        if configured is not None:
+            return configured
         if self.device.type == "cuda":
             return self._profile_cuda_blocks(per_block)
-        # CPU: a fraction of free RAM, but never more than the scheduler could ever fill.
-        budget = int(psutil.virtual_memory().available * CPU_KV_FRACTION) // per_block
-        ceiling = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size) + 1
-        return min(budget, ceiling)
+        return cpu_kv_blocks(psutil.virtual_memory().available, per_block, cc, sc)
 
     def _profile_cuda_blocks(self, per_block: int) -> int:
         """Run a worst-case step on a scratch cache, then give the KV pool what is left."""

@@ -94,10 +94,13 @@ class GenerateResult:
 
 
 def build_request(prompt: str | list[int], request_id: str | None = None, stream: bool = True,
-                  beam_search: dict | None = None, cache_salt: str | None = None, **sampling) -> pb.GenerateRequest:
+                  beam_search: dict | None = None, cache_salt: str | None = None, priority: int = 0,
+                  **sampling) -> pb.GenerateRequest:
     """``sampling`` takes SamplingParams' names (max_tokens, temperature, n, stop, seed, logprobs, ...);
-    ``beam_search`` a dict of BeamSearchParams' (beam_width, max_tokens, length_penalty, early_stopping)."""
+    ``beam_search`` a dict of BeamSearchParams' (beam_width, max_tokens, length_penalty, early_stopping);
+    ``priority``: lower runs first on a server with ``--scheduling-policy priority`` (vLLM's)."""
     req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, cache_salt=cache_salt or "",
+                             priority=priority,
                              stream_mode=pb.STREAM_MODE_UNSPECIFIED if stream else pb.STREAM_MODE_FINAL)
     if isinstance(prompt, str):
         req.text = prompt

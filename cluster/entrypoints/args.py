@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

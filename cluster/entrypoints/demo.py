@@ -13,7 +13,8 @@ import uvloop
 
 from pagedserve.cluster.client import AsyncClient
 from pagedserve.cluster.entrypoints.args import add_sampling_args, sampling_kwargs
-from pagedserve.cluster.entrypoints.serve import ServeOptions, serve
+from pagedserve.cluster.entrypoints.serve import serve
+from pagedserve.cluster.entrypoints.serve_options import ServeOptions
 from pagedserve.cluster.server.gateway import Gateway
 from pagedserve.engine.arg_utils import EngineArgs
 

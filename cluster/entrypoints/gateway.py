@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import dataclasses
 import logging
 import os
 import signal
@@ -19,79 +18,20 @@ from dataclasses import dataclass
 import ray
 import uvloop
 
-from pagedserve.cluster.runtime.ray_auth import ALLOW_FLAG, check_ray_auth
+from pagedserve.cluster.entrypoints.serve_options import ServeOptions
+from pagedserve.cluster.runtime.ray_auth import check_ray_auth
 from pagedserve.cluster.runtime.replicas import NAMESPACE, Replica, attach_replicas, find_served_model
 from pagedserve.cluster.runtime.router import ReplicaRouter
-from pagedserve.cluster.runtime.routing import (
-    DEFAULT_BALANCE_FACTOR,
-    POLICIES,
-    RoutingPolicy,
-    default_policy,
-    make_policy,
-)
-from pagedserve.cluster.server.api_options import ApiOptions, api_keys
 from pagedserve.cluster.server.gateway import Gateway
 from pagedserve.cluster.server.metrics import GatewayMetrics
-from pagedserve.cluster.server.openai.tool_parsers import TOOL_PARSER_NAMES
 from pagedserve.cluster.server.state import ModelInfo
-from pagedserve.cluster.server.vllm_metrics import COMPAT_MODES
 from pagedserve.engine.gc_heap import freeze_gc_heap
 from pagedserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HTTP_PORT = 8000  # as `vllm serve`: --port is the HTTP API's
-DEFAULT_GRPC_PORT = 50051
 ATTACH_POLL_S = 2.0
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass
-class ServeOptions:
-    """The server's own options (the engine's are ``EngineArgs``)."""
-
-    host: str = "0.0.0.0"
-    grpc_port: int = DEFAULT_GRPC_PORT
-    api_key: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    data_parallel_size: int = 1
-    max_waiting_requests: int | None = None
-    max_concurrent_requests: int = 4096  # over all protocols; beyond it RESOURCE_EXHAUSTED / HTTP 429 at once
-    step_timeout: float = 120.0  # an engine step making no progress this long restarts the engine; 0: never
-    drain_timeout: float = 30.0
-    served_model_name: str | None = None
-    metrics_port: int = 9400  # 0: no /metrics endpoint
-    # The OpenAI-compatible HTTP API; 0: none. `pagedserve serve --port` defaults to 8000; code that builds its own
-    # options (the demo, tests) opts in.
-    http_port: int = 0
-    chat_template: str | None = None  # a file (or an inline template) overriding the tokenizer's chat template
-    api_server_count: int = 1  # gateway processes sharing the ports; 1: the gateway runs in serve's own process
-    # Launch the replicas as detached named actors that `pagedserve gateway` can attach to. `pagedserve serve` does;
-    # code that builds its own options (the demo, tests, several servers of one model in one cluster) opts in.
-    name_replicas: bool = False
-    routing_policy: str | None = None  # None: prefix-aware with several replicas, else least-loaded
-    routing_balance_factor: float = DEFAULT_BALANCE_FACTOR
-    strict_request_fields: bool = False  # HTTP: unknown request fields are a 400 rather than ignored with a warning
-    metrics_compat: str = "vllm"  # also export vLLM's names for the same series ("none": only pagedserve's)
-    disable_fastapi_docs: bool = False
-    enable_prompt_tokens_details: bool = False
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    allow_unauthenticated_ray: bool = False  # join a Ray cluster reachable beyond loopback that has token auth off
-    autoscale: str | None = None  # the autoscaling policy (AutoscalePolicy.parse); None: recommend only (metrics)
-
-    def __post_init__(self) -> None:
-        if self.routing_policy is not None and self.routing_policy not in POLICIES:
-            raise ValueError(f"routing_policy must be one of {', '.join(POLICIES)}, got {self.routing_policy!r}")
-
-    @property
-    def api_options(self) -> ApiOptions:
-        return ApiOptions(self.strict_request_fields, self.disable_fastapi_docs, self.enable_prompt_tokens_details,
-                          self.enable_auto_tool_choice, self.tool_call_parser)
-
-    def make_policy(self, num_replicas: int) -> RoutingPolicy:
-        return make_policy(self.routing_policy or default_policy(num_replicas), self.routing_balance_factor)
 
 
 @dataclass
@@ -129,9 +69,9 @@ async def run_gateway(spec: GatewaySpec, stop: asyncio.Event | None = None,
     infos = await asyncio.gather(*[r.actor.get_info.remote() for r in replicas])
     tokenizer = load_tokenizer(spec.tokenizer or infos[0].model)
     metrics = GatewayMetrics(name, spec.engine_metrics, opts.metrics_compat)
-    gateway = Gateway(tokenizer, metrics, opts.host, opts.grpc_port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
+    gateway = Gateway(tokenizer, metrics, opts.host, opts.grpc_port, opts.keys, opts.ssl_certfile, opts.ssl_keyfile,
                       opts.max_concurrent_requests, opts.http_port or None, opts.chat_template, spec.reuse_port,
-                      f"{socket.gethostname()}/{os.getpid()}", api_options=opts.api_options)
+                      f"{socket.gethostname()}/{os.getpid()}", api_options=opts.api_options, tenancy=opts.tenancy)
     engine, discovery = None, None
     try:
         if opts.metrics_port:  # first: a gateway that cannot bind its metrics port never takes a connection
@@ -207,77 +147,6 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def add_server_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """The flags of the gateway's servers (``serve`` and ``gateway`` share them)."""
-    d = ServeOptions()
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default=d.host)
-    g.add_argument("--port", dest="http_port", type=int, default=DEFAULT_HTTP_PORT,
-                   help="port of the OpenAI-compatible HTTP API (0: off); same key, TLS files and limits as gRPC")
-    g.add_argument("--grpc-port", type=int, default=d.grpc_port, help="port of the gRPC API")
-    g.add_argument("--api-key", action=_ApiKeys, default=os.environ.get("PAGEDSERVE_API_KEY"),
-                   help="require 'authorization: Bearer KEY' with one of the keys given (repeat the flag, or a comma "
-                        "list; default: $PAGEDSERVE_API_KEY)")
-    g.add_argument("--api-key-file", action=_ApiKeys, dest="api_key", metavar="PATH",
-                   help="the keys from a file, one per line (a mounted secret rather than the environment)")
-    g.add_argument("--ssl-certfile", default=None)
-    g.add_argument("--ssl-keyfile", default=None)
-    g.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
-                   help="generation requests in flight at once over all protocols; beyond it RESOURCE_EXHAUSTED "
-                        "(HTTP 429) at once")
-    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
-                   help="seconds running requests get on SIGTERM")
-    g.add_argument("--served-model-name", default=None, help="the model_name label and GetModelInfo name")
-    g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0: off)")
-    g.add_argument("--metrics-compat", choices=COMPAT_MODES, default=d.metrics_compat,
-                   help="vllm: also export the series vLLM's dashboards and autoscalers read (vllm:*), with vLLM's "
-                        "names and labels; none: only pagedserve_*")
-    g.add_argument("--chat-template", default=None,
-                   help="chat template file (Jinja) for /v1/chat/completions, overriding the tokenizer's")
-    g.add_argument("--strict-request-fields", action="store_true",
-                   help="HTTP: refuse unknown request fields (400) instead of ignoring them with a warning, as vLLM")
-    g.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="report the prompt tokens served from the prefix cache in usage (HTTP "
-                        "prompt_tokens_details.cached_tokens, gRPC cached_prompt_tokens); off: one tenant would see "
-                        "what another has cached")
-    g.add_argument("--disable-fastapi-docs", action="store_true",
-                   help="serve no /docs, /redoc or /openapi.json on the HTTP port")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="chat: with tool_choice 'auto' (the default when tools are given), parse the model's text for "
-                        "tool calls with --tool-call-parser")
-    g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
-                   help="how the model writes tool calls (vLLM's names)")
-    g.add_argument(ALLOW_FLAG, action="store_true",
-                   help="serve from a Ray cluster reachable beyond loopback even though its token authentication is "
-                        "off (refused by default)")
-    g.add_argument("--routing-policy", choices=POLICIES, default=None,
-                   help="how requests pick a replica (default: prefix-aware with more than one replica, else "
-                        "least-loaded)")
-    g.add_argument("--routing-balance-factor", type=float, default=d.routing_balance_factor,
-                   help="prefix-aware: a replica's score is its uncached prompt tokens plus this times its queued "
-                        "and running work in tokens; higher spreads a hot prefix sooner, 0 routes by cache alone")
-    return g
-
-
-class _ApiKeys(argparse.Action):
-    """``--api-key KEY`` (repeatable, or a comma list) and ``--api-key-file PATH`` gather into one comma-separated
-    ``api_key``; given any, they replace $PAGEDSERVE_API_KEY."""
-
-    def __call__(self, parser, ns, value, option_string=None) -> None:
-        if option_string == "--api-key-file":
-            path = value
-            try:
-                with open(path) as f:
-                    value = ",".join(line.strip() for line in f if line.strip())
-            except OSError as e:
-                parser.error(f"--api-key-file: {e}")
-            if not value:
-                parser.error(f"--api-key-file: no key in {path}")
-        given = getattr(ns, "_api_keys_given", [])
-        ns._api_keys_given = [*given, *api_keys(value)]
-        setattr(ns, self.dest, ",".join(ns._api_keys_given) or None)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"),
                    help="the Ray cluster whose replicas to serve (default: $RAY_ADDRESS)")
@@ -286,15 +155,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also export the replicas' series on /metrics (off: the serve process exports them)")
     p.add_argument("--reuse-port", action="store_true",
                    help="share the ports with other gateway processes on this host (SO_REUSEPORT)")
-    add_server_args(p)
+    ServeOptions.add_cli_args(p, serve=False)
 
 
 def run(ns: argparse.Namespace) -> int:
     if not ns.ray_address:
         raise ValueError("--ray-address (or $RAY_ADDRESS) is required: the cluster whose replicas to serve")
-    fields = {f.name for f in dataclasses.fields(ServeOptions)}
-    opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in fields})
-    spec = GatewaySpec(opts, ns.ray_address, ns.tokenizer, ns.reuse_port, ns.engine_metrics,
+    spec = GatewaySpec(ServeOptions.from_cli_args(ns), ns.ray_address, ns.tokenizer, ns.reuse_port, ns.engine_metrics,
                        logging.getLevelName(logging.getLogger().level))
     uvloop.run(run_gateway(spec))
     _exit_now()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -14,7 +13,7 @@ from collections.abc import Callable
 import ray
 import uvloop
 
-from pagedserve.cluster.entrypoints.gateway import ServeOptions, add_server_args
+from pagedserve.cluster.entrypoints.serve_options import ServeOptions
 from pagedserve.cluster.entrypoints.supervisor import supervise
 from pagedserve.cluster.runtime.autoscaler import AutoscalePolicy, Autoscaler
 from pagedserve.cluster.runtime.private_ray import PrivateRay
@@ -41,9 +40,9 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     name = served_model_name(opts, model_dir)
     metrics = GatewayMetrics(name, compat=opts.metrics_compat)
-    gateway = Gateway(tokenizer, metrics, opts.host, opts.grpc_port, opts.api_key, opts.ssl_certfile, opts.ssl_keyfile,
+    gateway = Gateway(tokenizer, metrics, opts.host, opts.grpc_port, opts.keys, opts.ssl_certfile, opts.ssl_keyfile,
                       opts.max_concurrent_requests, opts.http_port or None, opts.chat_template,
-                      api_options=opts.api_options)
+                      api_options=opts.api_options, tenancy=opts.tenancy)
     await gateway.start()
     if opts.metrics_port:
         gateway.metrics_port = metrics.start_http_server(opts.metrics_port, opts.host)
@@ -118,29 +117,10 @@ def served_model_name(opts: ServeOptions, model_dir: str) -> str:
     return opts.served_model_name or os.path.basename(os.path.normpath(model_dir))
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    d = ServeOptions()
-    g = add_server_args(p)
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
-                   help="model replicas (each its own TP group)")
-    g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="per replica; beyond it requests get RESOURCE_EXHAUSTED")
-    g.add_argument("--step-timeout", type=float, default=d.step_timeout,
-                   help="seconds an engine step may make no progress before the engine is restarted (its requests "
-                        "resume); 0: never")
-    g.add_argument("--autoscale", default=None, metavar="POLICY",
-                   help="change the number of replicas with the load: min=1,max=4[,waiting=4][,kv_usage=0.8]"
-                        "[,ttft_p90=2][,interval=5][,scale_out_cooldown=30][,scale_in_cooldown=300] (targets per "
-                        "replica; off: the same decision is only exported, as pagedserve_desired_replicas)")
-    g.add_argument("--api-server-count", type=int, default=d.api_server_count,
-                   help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), all routing to the same "
-                        "replicas; gateway i serves /metrics on --metrics-port + i")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model dir (as --model)")
     EngineArgs.add_cli_args(p)
-    add_serve_args(p)
+    ServeOptions.add_cli_args(p, serve=True)
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -148,8 +128,7 @@ def run(ns: argparse.Namespace) -> int:
         if ns.model is not None and ns.model != ns.model_tag:
             raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
         ns.model = ns.model_tag
-    opts = ServeOptions(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServeOptions)
-                           if f.name != "name_replicas"}, name_replicas=True)
+    opts = ServeOptions.from_cli_args(ns, name_replicas=True)
     if opts.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {opts.api_server_count}")
     if opts.autoscale is not None:

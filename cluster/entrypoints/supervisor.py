@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import ray
 
-from pagedserve.cluster.entrypoints.gateway import GatewaySpec, ServeOptions, gateway_process_main
+from pagedserve.cluster.entrypoints.gateway import GatewaySpec, gateway_process_main
+from pagedserve.cluster.entrypoints.serve_options import ServeOptions
 from pagedserve.cluster.runtime.private_ray import PrivateRay
 from pagedserve.cluster.runtime.ray_auth import check_ray_auth
 from pagedserve.cluster.runtime.replicas import launch_replicas, shutdown_replicas

@@ -7,7 +7,7 @@ import time
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pagedserve.cluster.buckets import LATENCY_BUCKETS, STEP_BUCKETS, TOKEN_BUCKETS
+from pagedserve.cluster.shared import LATENCY_BUCKETS, STEP_BUCKETS, TOKEN_BUCKETS
 from pagedserve.engine.engine_core import EngineCore, StepStats
 from pagedserve.scheduler.request import Request
 

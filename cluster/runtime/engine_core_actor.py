@@ -9,6 +9,7 @@ cache (``KVCacheSnapshot``), so a router that connects late or reconnects starts
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import signal
@@ -22,23 +23,26 @@ import torch
 from prometheus_client.core import CounterMetricFamily
 
 from pagedserve.cluster.runtime.core_metrics import EngineCoreMetrics
+from pagedserve.cluster.runtime.lease import GATEWAY_LEASE_S, Leases
 from pagedserve.cluster.runtime.preflight import NodeReport, PreflightFailed, node_checks
+from pagedserve.common.errors import OverloadedError, ReplicaDrainingError
+from pagedserve.common.outputs import EngineCoreOutput, EngineHealth
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.executor import RayPlacement, create_executor
-from pagedserve.errors import OverloadedError, ReplicaDrainingError
-from pagedserve.outputs import EngineCoreOutput, EngineHealth
 from pagedserve.scheduler.kv_events import KVCacheSnapshot, KVEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# A gateway renews its lease on each replica every GATEWAY_LEASE_S / 5 seconds. One not heard from for GATEWAY_LEASE_S
-# is taken for dead (a SIGKILLed process ends no Ray generator): its stream ends and its requests are aborted, so
-# their KV blocks are freed. A gateway that was only stalled sees its stream end and resumes them token-exact.
-GATEWAY_LEASE_S = 10.0
+class ActorExit(enum.IntEnum):
+    """Why an engine-core actor ended its own process: Ray restarts it as after any death (``replicas.MAX_RESTARTS``)
+    and the gateways resume its requests; the exit status tells the two causes apart."""
+
+    STEP_HUNG = 70  # the watchdog found a step stalled past step_timeout, with the model in this process
+    ENGINE_DEAD = 71  # the TP workers are gone for good (could not be rebuilt): a fresh actor rebuilds everything
 
 
 class EngineCoreActor:
@@ -77,11 +81,9 @@ class EngineCoreActor:
         self.metrics = EngineCoreMetrics(self.core)
         self.max_waiting_requests = max_waiting_requests
         self.step_timeout = step_timeout
-        self.gateway_lease_s = gateway_lease_s
+        self.leases = Leases(gateway_lease_s)
         self._owner: dict[str, str] = {}  # request id -> gateway (client) id; event loop only
         self._queues: dict[str, asyncio.Queue] = {}
-        self._heard: dict[str, float] = {}  # gateway id -> monotonic time of its last lease renewal
-        self._expired: set[str] = set()  # gateways whose streams are ending for lack of renewal
         self._lease_task: asyncio.Task | None = None
         self.num_orphaned = 0  # requests aborted because their gateway stopped renewing its lease
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -142,7 +144,7 @@ class EngineCoreActor:
         except Exception as e:  # a bug, not a worker death (the core recovers from those)
             if self.core.dead:  # its workers are gone for good: Ray restarts this actor, the gateway resumes
                 logger.exception("the engine cannot go on; ending this actor for Ray to restart it")
-                os._exit(71)
+                os._exit(ActorExit.ENGINE_DEAD)
             logger.exception("engine step failed; failing the running requests")
             outputs = self.core.fail_step(e)
         finally:
@@ -197,7 +199,7 @@ class EngineCoreActor:
         await self._on_engine(self._stop_sequence, request_id, index)
 
     def renew_lease(self, client_id: str) -> None:
-        self._heard[client_id] = time.monotonic()
+        self.leases.renew(client_id)
 
     async def output_stream(self, client_id: str):
         """Yields lists of ``EngineCoreOutput`` for this client's requests, a list per step (or more if it lags), and
@@ -215,14 +217,13 @@ class EngineCoreActor:
         try:
             while True:
                 batch = await q.get()
-                if client_id in self._expired:
+                if client_id in self.leases.ending:
                     return
                 while not q.empty():
                     batch += q.get_nowait()
                 yield batch
         finally:
-            self._expired.discard(client_id)
-            self._heard.pop(client_id, None)
+            self.leases.forget(client_id)
             self._queues.pop(client_id, None)
             stale = [rid for rid, c in self._owner.items() if c == client_id]
             if stale:
@@ -230,17 +231,17 @@ class EngineCoreActor:
 
     async def _expire_leases(self) -> None:
         while not self._stopped:
-            await asyncio.sleep(min(1.0, self.gateway_lease_s / 4))
-            now = time.monotonic()
-            for client, heard in list(self._heard.items()):
-                if now - heard <= self.gateway_lease_s or client in self._expired or client not in self._queues:
-                    continue
+            await asyncio.sleep(self.leases.check_every_s)
+            for client, silent in self.leases.overdue(self._queues):
                 orphans = sum(c == client for c in self._owner.values())
                 logger.warning("gateway %s not heard from for %.0f s: taking it for dead and aborting its %d requests",
-                               client, now - heard, orphans)
+                               client, silent, orphans)
                 self.num_orphaned += orphans
-                self._expired.add(client)
-                self._queues[client].put_nowait([])  # wakes its stream, which ends and aborts them
+                self._end_stream(client)
+
+    def _end_stream(self, client_id: str) -> None:
+        self.leases.ending.add(client_id)
+        self._queues[client_id].put_nowait([])  # wakes its stream, which ends and aborts the gateway's requests
 
     def _send_snapshot(self, client_id: str) -> None:
         """Engine thread."""
@@ -285,7 +286,7 @@ class EngineCoreActor:
             logger.error(reason)
             self._broadcast(EngineHealth(False, reason))
             if not self._worker_pids:  # the model runs in this process: Ray restarts the actor, the gateway resumes
-                os._exit(70)
+                os._exit(ActorExit.STEP_HUNG)
             for pid in self._worker_pids:  # the hung step fails with WorkerFailedError; the core rebuilds the group
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -304,12 +305,11 @@ class EngineCoreActor:
 
     async def migrate_out(self) -> int:
         """End every gateway's stream: each aborts its requests here (freeing their blocks) and resumes them on
-        another replica with the tokens streamed so far and the same seed (see the router's ``_pump``). Returns how
+        another replica with the tokens streamed so far and the same seed (see ``replica_health``). Returns how
         many requests were running."""
         moved = len(self._owner)
-        for client, q in self._queues.items():
-            self._expired.add(client)
-            q.put_nowait([])
+        for client in list(self._queues):
+            self._end_stream(client)
         return moved
 
     async def kv_snapshot(self) -> KVCacheSnapshot:

@@ -10,16 +10,14 @@ actors of their own, in a task holding the first rank's GPU):
 - /dev/shm: big enough for Ray's object store and torch's shared tensors;
 - versions: Python, torch, pagedserve, transformers and Ray equal to the driver's;
 - model: the model's weights are at the same path on this node;
-- memory: the weights plus the KV cache the engine will allocate fit the node's available memory (CPU) or the GPU's.
+- memory: the weights plus the KV cache the engine will allocate (``memory_plan.py``) fit the node's available memory
+  (CPU) or the GPU's.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import platform
 import socket
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -31,16 +29,14 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 import pagedserve
-from pagedserve.config import EngineConfig
+from pagedserve.cluster.runtime.memory_plan import kv_bytes_per_block, memory_plan
+from pagedserve.common.config import EngineConfig
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.kernels import kv_cache_dtype
-from pagedserve.worker.worker import CPU_KV_FRACTION
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 SHM_PATH = "/dev/shm"
 MIN_SHM_BYTES = 512 << 20
 CHECK_TIMEOUT_S = 120.0  # a node's first task may wait for a worker process (and its runtime env) to start
-_CGROUP_MAX, _CGROUP_CURRENT = "/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"
 
 
 @dataclass
@@ -100,16 +96,6 @@ class DoctorReport:
         out = [f"{'driver':<32} {c.line()}" for c in self.checks]
         out += [f"{n.label:<32} {c.line()}" for n in self.nodes for c in n.checks]
         return out
-
-
-@dataclass
-class MemoryPlan:
-    device: str
-    weight_bytes: int  # this node's share: the whole model on CPU (all TP ranks on one node), 1/tp of it per GPU
-    kv_bytes: int  # the KV cache the engine will allocate, over the ranks sharing ``available_bytes``
-    available_bytes: int
-    kv_tokens: int  # tokens a rank's KV cache holds
-    max_model_len: int
 
 
 def local_versions() -> dict[str, str]:
@@ -198,67 +184,6 @@ def check_shm(path: str = SHM_PATH, minimum: int = MIN_SHM_BYTES) -> Check:
     if size < minimum:
         return Check("shm", False, f"{detail}, under the {_gib(minimum)} Ray's object store and torch need", fix)
     return Check("shm", True, detail)
-
-
-def weight_bytes(config: EngineConfig) -> int:
-    """The model's parameters in the dtype it runs in, from the safetensors headers (no tensor is read)."""
-    numel = 0
-    for path in config.model_config.weight_files:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        numel += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
-    return numel * config.model_config.dtype.itemsize
-
-
-def kv_bytes_per_block(config: EngineConfig) -> int:
-    """A rank's KV bytes per block, as ``ModelRunner.kv_bytes_per_block`` counts them once the model is built."""
-    hf, tp = config.model_config.hf_config, config.parallel_config.tensor_parallel_size
-    heads = hf.num_attention_heads
-    head_size = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    per_rank = 1 if tp >= kv_heads else kv_heads // tp
-    dtype = kv_cache_dtype(config.cache_config.cache_dtype, config.model_config.dtype)
-    return 2 * hf.num_hidden_layers * config.cache_config.block_size * per_rank * head_size * dtype.itemsize
-
-
-def available_memory() -> int:
-    """Available RAM, within this container's cgroup limit when it has one."""
-    available = psutil.virtual_memory().available
-    try:
-        with open(_CGROUP_MAX) as f:
-            limit = f.read().strip()
-        with open(_CGROUP_CURRENT) as f:
-            used = int(f.read())
-    except (OSError, ValueError):
-        return available
-    return available if limit == "max" else min(available, int(limit) - used)
-
-
-def memory_plan(config: EngineConfig) -> MemoryPlan:
-    """What the engine will allocate on this node, as the workers size it (``Worker.determine_num_blocks``)."""
-    cc, sc = config.cache_config, config.scheduler_config
-    tp = config.parallel_config.tensor_parallel_size
-    per_block = kv_bytes_per_block(config)
-    weights = weight_bytes(config)
-    if config.device == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        weights = weights // tp
-        available = min(free, int(total * cc.gpu_memory_utilization))
-        ranks = 1
-        default_kv = max(available - weights, 0)  # profiled: what is left after the weights (and activations)
-    else:
-        available, ranks = available_memory(), tp
-        ceiling = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size) + 1
-        default_kv = min(int(max(available - weights, 0) * CPU_KV_FRACTION) // per_block, ceiling) * per_block
-    if cc.num_gpu_blocks_override:
-        kv = cc.num_gpu_blocks_override * per_block
-    elif cc.kv_cache_memory is not None:
-        kv = cc.kv_cache_memory // per_block * per_block
-    else:
-        kv = default_kv
-    return MemoryPlan(config.device, weights, kv * ranks, available, kv // per_block * cc.block_size,
-                      sc.max_model_len)
 
 
 def check_model_files(config: EngineConfig) -> Check:

@@ -12,7 +12,7 @@ import logging
 import ray
 from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
-from pagedserve.cluster.net import is_loopback
+from pagedserve.cluster.shared import is_loopback
 
 logger = logging.getLogger(__name__)
 

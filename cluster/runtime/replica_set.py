@@ -15,11 +15,11 @@ import ray
 
 from pagedserve.cluster.runtime.replicas import Replica, launch_replica, shutdown_replicas
 from pagedserve.cluster.runtime.router import ReplicaRouter
+from pagedserve.common.errors import EngineUnavailableError, InvalidRequestError
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import ScaleResult
 from pagedserve.engine.executor.ray_utils import HELD_CHECK_S
 from pagedserve.engine.protocol import ReplicaScaler
-from pagedserve.errors import EngineUnavailableError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ DRAIN_POLL_S = 0.2
 
 class ReplicaSet(ReplicaScaler):
     """``router``: the in-process gateway's router, told of each replica added (one it drains learns of the drain
-    from the replica itself)."""
+    from the replica itself). The two share each ``Replica`` record; each keeps its own list."""
 
     def __init__(self, args: EngineArgs, replicas: list[Replica], router: ReplicaRouter, drain_timeout: float,
                  max_waiting_requests: int | None = None, step_timeout: float | None = None,

@@ -10,7 +10,7 @@ import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -24,6 +24,7 @@ from pagedserve.cluster.runtime.preflight import (
     checks_in_engine_actor,
     local_versions,
 )
+from pagedserve.common.errors import EngineUnavailableError
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.executor.ray_utils import (
     HELD_CHECK_S,
@@ -32,21 +33,53 @@ from pagedserve.engine.executor.ray_utils import (
     rank_bundle,
     rank_cpus,
 )
-from pagedserve.errors import EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
-MAX_RESTARTS = 3
+MAX_RESTARTS = 3  # of a dead engine-core actor, killed or ended itself (``ActorExit``), by Ray
 CORE_ACTOR_CPUS = 0.05  # the engine-core actor of a TP group; its ranks hold the real CPUs
 NAMESPACE = "pagedserve"
 _NAME = re.compile(r"^(?P<model>.+)-replica-(?P<index>\d+)$")
 
 
-@dataclass
+@dataclass(eq=False)
 class Replica:
+    """A model replica: what launching it made (the scaler's), and its state as this process's router sees it."""
+
     index: int
     actor: ray.actor.ActorHandle
-    placement_group: object  # None for a replica this process attached to (its launcher owns it)
+    placement_group: object = None  # None for a replica this process attached to (its launcher owns it)
+    load: int = 0  # running requests, from this gateway
+    work: int = 0  # their tokens still to prefill and (estimated) to generate (see ``routing``)
+    cached: set[bytes] = field(default_factory=set)  # block hashes in its prefix cache, from its KV events
+    alive: bool = True  # its actor is up
+    ready: bool = True  # and not rebuilding its workers
+    gone: bool = False  # dead for good (Ray's restarts spent)
+    error: str | None = None  # failed for good: its model fails every step the same way (the error)
+    retiring: bool = False  # draining for a scale-in or a replacement; dropped from the list once its actor ends
+    restarts: int = 0  # times this gateway saw its actor come back
+
+    @property
+    def serving(self) -> bool:
+        return self.alive and self.ready and self.error is None
+
+    @property
+    def out(self) -> bool:
+        """It will not serve again without an operator (restart the server once the model is fixed)."""
+        return self.gone or self.error is not None
+
+    @property
+    def condition(self) -> str:
+        """Why it does not serve."""
+        return (f"failed: {self.error}" if self.error is not None else "gone" if self.gone
+                else "restarting" if not self.alive else "rebuilding its workers")
+
+
+def health_detail(replicas: list[Replica]) -> str:
+    """Why no replica serves (each one's condition, with the error of one whose model failed); "" while one does."""
+    if any(r.serving for r in replicas):
+        return ""
+    return "; ".join(f"replica {r.index} {r.condition}" for r in replicas)
 
 
 def replica_name(model_name: str, index: int) -> str:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.cluster.net import is_loopback
+from pagedserve.cluster.server.api_keys import KeyTable
+from pagedserve.cluster.shared import is_loopback
 
 
 @dataclass(frozen=True)
@@ -19,15 +20,9 @@ class ApiOptions:
     tool_call_parser: str | None = None
 
 
-def api_keys(api_key: str | None) -> list[str]:
-    """The keys an ``api_key`` setting holds: one, or a comma-separated list (``--api-key`` given several times or as
-    a comma list, ``--api-key-file``); a request must present one of them."""
-    return [k.strip() for k in (api_key or "").split(",") if k.strip()]
-
-
-def exposure_warning(host: str, api_key: str | None) -> str | None:
+def exposure_warning(host: str, keys: KeyTable) -> str | None:
     """What to warn about serving on ``host`` without a key: None on loopback or with a key."""
-    if api_keys(api_key) or is_loopback(host):
+    if keys or is_loopback(host):
         return None
     return (f"serving on {host} with no API key: anyone who can reach it can use the model and abort requests "
-            "(--api-key or --api-key-file)")
+            "(--api-key, --api-key-file or the tenants' keys in --tenants-file)")

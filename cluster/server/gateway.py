@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pagedserve.cluster.server.api_keys import KeyTable
 from pagedserve.cluster.server.api_options import ApiOptions, exposure_warning
 from pagedserve.cluster.server.grpc_api.server import GrpcServer
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.cluster.server.openai.server import HttpServer
 from pagedserve.cluster.server.state import ModelInfo, ServingState
+from pagedserve.cluster.server.tenants import TenancyOptions
 from pagedserve.engine.protocol import EngineClient, ReplicaScaler
 
 logger = logging.getLogger(__name__)
@@ -18,25 +20,27 @@ logger = logging.getLogger(__name__)
 
 class Gateway:
     def __init__(self, tokenizer, metrics: GatewayMetrics, host: str = "0.0.0.0", port: int = 50051,
-                 api_key: str | None = None, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+                 keys: KeyTable = KeyTable(), ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
                  max_concurrent_requests: int = 4096, http_port: int | None = None,
                  chat_template: str | None = None, reuse_port: bool = False, gateway_id: str | None = None,
-                 api_options: ApiOptions = ApiOptions()) -> None:
-        """``http_port``: None serves no HTTP API (0: a free port). ``reuse_port``: share the ports with other gateway
-        processes (SO_REUSEPORT); ``gateway_id``: names this one in HTTP responses' x-pagedserve-gateway header."""
+                 api_options: ApiOptions = ApiOptions(), tenancy: TenancyOptions = TenancyOptions()) -> None:
+        """``keys``: the API keys both protocols accept (none: no key needed) and the tenants they name;
+        ``tenancy``: the tenants and their limits. ``http_port``: None serves no HTTP API (0: a free port).
+        ``reuse_port``: share the ports with other gateway processes (SO_REUSEPORT); ``gateway_id``: names this one
+        in HTTP responses' x-pagedserve-gateway header."""
         if max_concurrent_requests < 1:
             raise ValueError(f"max_concurrent_requests must be at least 1, got {max_concurrent_requests}")
-        if (warning := exposure_warning(host, api_key)) is not None:
+        if (warning := exposure_warning(host, keys)) is not None:
             logger.warning(warning)
         self.metrics = metrics
         self.metrics_port: int | None = None
-        self.state = ServingState(tokenizer, metrics, max_concurrent_requests, api_options)
+        self.state = ServingState(tokenizer, metrics, max_concurrent_requests, api_options, keys, tenancy)
         self.gateway_id = gateway_id
-        self.grpc = GrpcServer(self.state, host, port, api_key, ssl_certfile, ssl_keyfile, reuse_port)
+        self.grpc = GrpcServer(self.state, host, port, ssl_certfile, ssl_keyfile, reuse_port)
         self.port = self.grpc.port
         self.http = None
         if http_port is not None:
-            self.http = HttpServer(self.state, host, http_port, api_key, ssl_certfile, ssl_keyfile, chat_template,
+            self.http = HttpServer(self.state, host, http_port, ssl_certfile, ssl_keyfile, chat_template,
                                    reuse_port, gateway_id, api_options)
         self.http_port = self.http.port if self.http else None
 

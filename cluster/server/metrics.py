@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 
-from pagedserve.cluster.buckets import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS
 from pagedserve.cluster.server.engine_metrics import EngineCollector
 from pagedserve.cluster.server.vllm_metrics import COMPAT_MODES, VllmCompatCollector
+from pagedserve.cluster.shared import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS
+from pagedserve.engine.core_types import DEFAULT_TENANT
 
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
@@ -28,6 +30,27 @@ PROTOCOLS = ("grpc", "http")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Every status an error can end with, as gRPC's code names (HTTP statuses map onto these).
 ERROR_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED", "UNAVAILABLE", "INTERNAL")
+TENANT_LIMITS = ("concurrent", "queued")  # why a tenant's request was refused (--tenant-max-concurrent / -queued)
+OTHER_TENANTS = "other"  # the tenant label of every tenant past --tenant-metrics-max-labels
+
+
+class TenantLabels:
+    """The ``tenant`` label of each tenant name: its own for the ``fixed`` ones (the default tenant and the tenants
+    file's) and for the first ``max_labels`` others seen, "other" for every later one. A name keeps its label for
+    the life of the process: a label that moved between series would break rate()."""
+
+    def __init__(self, fixed: Iterable[str], max_labels: int) -> None:
+        self.fixed = set(fixed)
+        self.max_labels = max_labels
+        self._seen: set[str] = set()  # the others that got their own label
+
+    def __call__(self, name: str) -> str:
+        if name in self.fixed or name in self._seen:
+            return name
+        if len(self._seen) < self.max_labels:
+            self._seen.add(name)
+            return name
+        return OTHER_TENANTS
 
 
 class GatewayMetrics:
@@ -66,6 +89,23 @@ class GatewayMetrics:
         self.max_tokens = Histogram("pagedserve_request_max_generation_tokens",
                                     "max_tokens of admitted requests (the most each may generate).",
                                     m, buckets=TOKEN_BUCKETS, **reg)
+        # Per tenant (both protocols together), its label bounded by TenantLabels.
+        t = ["model_name", "tenant"]
+        self._tenant_requests = Counter("pagedserve_tenant_requests", "Generation requests let in past their "
+                                        "tenant's limits, by tenant.", t, **reg)
+        self._tenant_rejected = Counter("pagedserve_tenant_rejected_requests", "Generation requests refused at once "
+                                        "(HTTP 429, RESOURCE_EXHAUSTED) at their tenant's limit, by reason: "
+                                        "concurrent (--tenant-max-concurrent) or queued (--tenant-max-queued).",
+                                        [*t, "reason"], **reg)
+        self._tenant_prompt_tokens = Counter("pagedserve_tenant_prompt_tokens", "Prompt tokens of admitted "
+                                             "requests, by tenant.", t, **reg)
+        self._tenant_generation_tokens = Counter("pagedserve_tenant_generation_tokens", "Tokens streamed to "
+                                                 "clients, by tenant.", t, **reg)
+        self._tenant_queue_time = Histogram("pagedserve_tenant_queue_time_seconds", "Let in at the gateway to the "
+                                            "request's first output from the engine, by tenant: the wait in the "
+                                            "replica's queue and the prefill.", t, buckets=LATENCY_BUCKETS, **reg)
+        self.tenant_label = TenantLabels((), 0)
+        self.configure_tenants([DEFAULT_TENANT.name], 0)
         if compat == "vllm":
             own = [self.finished, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot,
                    self.e2e, self.prompt_len, self.generation_len, self.max_tokens]
@@ -80,6 +120,34 @@ class GatewayMetrics:
             for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e,
                            self.prompt_len, self.generation_len, self.max_tokens):
                 family.labels(*labels)
+
+    def configure_tenants(self, fixed: Iterable[str], max_labels: int) -> None:
+        """The tenants that always have their own label (each series at zero from now on) and how many others may
+        (--tenant-metrics-max-labels)."""
+        self.tenant_label = TenantLabels(fixed, max_labels)
+        for name in self.tenant_label.fixed:
+            self.tenant_requests(name)
+            for reason in TENANT_LIMITS:
+                self.tenant_rejected(name, reason)
+            self.tenant_prompt_tokens(name)
+            self.tenant_generation_tokens(name)
+            self.tenant_queue_time(name)
+
+    # The tenant series by label (``tenant_label`` of the tenant's name).
+    def tenant_requests(self, label: str) -> Counter:
+        return self._tenant_requests.labels(self.model_name, label)
+
+    def tenant_rejected(self, label: str, reason: str) -> Counter:
+        return self._tenant_rejected.labels(self.model_name, label, reason)
+
+    def tenant_prompt_tokens(self, label: str) -> Counter:
+        return self._tenant_prompt_tokens.labels(self.model_name, label)
+
+    def tenant_generation_tokens(self, label: str) -> Counter:
+        return self._tenant_generation_tokens.labels(self.model_name, label)
+
+    def tenant_queue_time(self, label: str) -> Histogram:
+        return self._tenant_queue_time.labels(self.model_name, label)
 
     def start_http_server(self, port: int, host: str = "0.0.0.0") -> int:
         app = make_wsgi_app(self.registry)
@@ -114,12 +182,21 @@ class RequestTimer:
         self.first: float | None = None
         self.last: float | None = None
         self.num_tokens = 0
-        # Bound once per request: these two are updated for every streamed chunk.
+        # Bound once per request: these are updated for every streamed chunk.
         self._itl = metrics.itl.labels(*self.labels)
         self._generation_tokens = metrics.generation_tokens.labels(*self.labels)
+        self._tenant_generation_tokens: Counter | None = None
+        self._tenant_prompt_tokens: Counter | None = None
+
+    def tenant(self, label: str) -> None:
+        """Count the request's tokens under its tenant's label too."""
+        self._tenant_prompt_tokens = self.m.tenant_prompt_tokens(label)
+        self._tenant_generation_tokens = self.m.tenant_generation_tokens(label)
 
     def admitted(self, prompt_tokens: int, max_tokens: int) -> None:
         self.m.prompt_tokens.labels(*self.labels).inc(prompt_tokens)
+        if self._tenant_prompt_tokens is not None:
+            self._tenant_prompt_tokens.inc(prompt_tokens)
         self.m.prompt_len.labels(*self.labels).observe(prompt_tokens)
         self.m.max_tokens.labels(*self.labels).observe(max_tokens)
 
@@ -135,6 +212,8 @@ class RequestTimer:
         self.last = now
         self.num_tokens += n
         self._generation_tokens.inc(n)
+        if self._tenant_generation_tokens is not None:
+            self._tenant_generation_tokens.inc(n)
 
     def finished(self, reason: str) -> None:
         self.m.finished.labels(*self.labels, reason).inc()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import secrets
 import uuid
 
-from pagedserve.errors import InvalidRequestError
+from pagedserve.common.errors import InvalidRequestError
 
 # Longer client ids are refused (INVALID_ARGUMENT / 400), not truncated: a truncated id would silently differ from
 # the one the client logged. The id also goes into the server's log lines, hence printable characters only.

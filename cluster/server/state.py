@@ -1,5 +1,6 @@
-"""What every protocol's server shares: the engine once it is ready, the served model, the tokenizer, and the
-admission of requests (refused while loading or draining, counted so that a drain can wait for them)."""
+"""What every protocol's server shares: the engine once it is ready, the served model, the tokenizer, the API keys
+and tenants, and the admission of requests (refused while loading or draining, counted so that a drain can wait for
+them)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,12 +9,14 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from pagedserve.cluster.server.api_keys import KeyTable
 from pagedserve.cluster.server.api_options import ApiOptions
 from pagedserve.cluster.server.metrics import GatewayMetrics
 from pagedserve.cluster.server.request_owners import RequestOwners
+from pagedserve.cluster.server.tenants import TenancyOptions, Tenants
+from pagedserve.common.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from pagedserve.engine.core_types import EngineInfo
 from pagedserve.engine.protocol import EngineClient, ReplicaScaler
-from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +36,24 @@ LOADING_MAX_TOKEN_IDS = 1 << 16
 # the same bound.
 BODY_BYTES_PER_PROMPT_BYTE = 6
 BODY_HEADROOM_BYTES = 2 << 20
+# What a refusal at a limit (HTTP 429's Retry-After header, RESOURCE_EXHAUSTED's retry-after metadata) tells the
+# client to wait, in seconds.
+RETRY_AFTER_S = 1
 
 
 class ServingState:
     """``max_concurrent_requests``: generation requests in flight at once, over all protocols; one more is refused
-    at once with OverloadedError (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+    at once with OverloadedError (gRPC RESOURCE_EXHAUSTED, HTTP 429). ``keys``: the API keys both protocols accept
+    (none: no key needed); ``tenancy``: the tenants, their limits and the header that may name them."""
 
     def __init__(self, tokenizer, metrics: GatewayMetrics, max_concurrent_requests: int,
-                 options: ApiOptions = ApiOptions()) -> None:
+                 options: ApiOptions = ApiOptions(), keys: KeyTable = KeyTable(),
+                 tenancy: TenancyOptions = TenancyOptions()) -> None:
         self.tokenizer = tokenizer
         self.options = options
         self.metrics = metrics
+        self.keys = keys
+        self.tenants = Tenants(tenancy, metrics)
         self.max_concurrent_requests = max_concurrent_requests
         self.engine: EngineClient | None = None  # set once the replicas are up
         self.model: ModelInfo | None = None
@@ -92,6 +102,11 @@ class ServingState:
     async def start_draining(self) -> None:
         self.draining = True
         await self._notify()
+
+    def tenant_of(self, key_index: int | None, header_value: str | None) -> str:
+        """The tenant of a generation request made with the key at ``key_index`` (None: no key) and, in case the
+        operator named a tenant header, that header's value; raises InvalidRequestError for a bad value."""
+        return self.tenants.resolve(self.keys.tenant(key_index), header_value if self.tenants.header else None)
 
     def ready_engine(self) -> EngineClient:
         """The engine, or EngineUnavailableError saying why requests are refused now."""

@@ -1,7 +1,7 @@
 """The one place that picks an executor for a configuration."""
 from __future__ import annotations
 
-from pagedserve.config import EngineConfig
+from pagedserve.common.config import EngineConfig
 from pagedserve.engine.executor.base import Executor, RayPlacement
 from pagedserve.engine.executor.uniproc import UniProcExecutor
 

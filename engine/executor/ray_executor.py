@@ -15,10 +15,10 @@ from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve.config import EngineConfig
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.errors import WorkerFailedError
 from pagedserve.engine.executor.base import Executor, RayPlacement
 from pagedserve.engine.executor.ray_utils import ensure_ray, make_placement_group, rank_bundle, rank_cpus
-from pagedserve.errors import WorkerFailedError
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.worker import Worker
 
@@ -64,14 +64,20 @@ class RayExecutor(Executor):
                  use_compiled_graph: bool | None = None) -> None:
         ensure_ray(config.parallel_config.ray_address)
         self.use_compiled_graph = config.device == "cuda" if use_compiled_graph is None else use_compiled_graph
-        self.dag = None
+        self.dag, self.workers = None, []
         tp = config.parallel_config.tensor_parallel_size
         gpu = config.device == "cuda"
         self.owns_pg = placement is None
         if placement is None:
             placement = RayPlacement(make_placement_group([rank_bundle(rank_cpus(tp, gpu), gpu)] * tp, "llm"))
         self.pg = placement.placement_group
-        first = placement.first_bundle
+        try:
+            self._start_workers(config, placement.first_bundle, tp, gpu)
+        except BaseException:
+            self.shutdown()  # a rank that failed to load its shard: the next engine in this process needs the room
+            raise
+
+    def _start_workers(self, config: EngineConfig, first: int, tp: int, gpu: bool) -> None:
         cpu = self.pg.bundle_specs[first].get("CPU", 0.0)
         threads = max(1, (os.cpu_count() or 1) // tp)
         actor_cls = ray.remote(num_cpus=cpu, num_gpus=1 if gpu else 0)(RayWorker)

@@ -1,7 +1,7 @@
 """The in-process executor: one worker, no tensor parallelism."""
 from __future__ import annotations
 
-from pagedserve.config import EngineConfig
+from pagedserve.common.config import EngineConfig
 from pagedserve.engine.executor.base import Executor
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.worker import Worker

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from pagedserve.cluster.entrypoints.cli import main
+from pagedserve.cluster.runtime.memory_plan import available_memory
 from pagedserve.cluster.runtime.preflight import (
-    available_memory,
     check_network,
     check_shm,
     local_versions,

@@ -31,7 +31,7 @@ def server(ray_cluster, llama_dir):
 
 def _request(**fields) -> pb.GenerateRequest:
     prompt = fields.pop("prompt", "def fuzz")
-    req = pb.GenerateRequest(**{k: v for k, v in fields.items() if k in ("stream_mode", "cache_salt")})
+    req = pb.GenerateRequest(**{k: v for k, v in fields.items() if k in ("stream_mode", "cache_salt", "priority")})
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt is not None:
@@ -82,6 +82,7 @@ def _invalid(rng: random.Random) -> tuple[str, bytes]:
         ("length_penalty inf", _request(beam=pb.BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=math.inf),
                                         stream_mode=pb.STREAM_MODE_FINAL)),
         ("beam and sampling", _request(beam=pb.BeamSearchParams(beam_width=2, max_tokens=4), sampling=sp(n=1))),
+        ("priority under fcfs", _request(priority=rng.choice([-(2**31), -1, 1, 2**31 - 1]))),
     ]
     what, req = rng.choice(cases)
     return what, req.SerializeToString()

@@ -203,6 +203,7 @@ def test_stream_interval_over_grpc(server, offline):
     ([5, 100_000], dict(max_tokens=4), "vocabulary"),
     ("x", dict(stop_token_ids=[99_999], max_tokens=4), "stop_token_ids"),
     ("x", dict(best_of=3, n=1, temperature=1.0, stream_mode_delta=True), "stream_mode"),
+    ("x", dict(max_tokens=4, priority=1), "priority 1 needs --scheduling-policy priority"),  # fcfs: only 0
 ])
 def test_bad_input_is_invalid_argument(server, prompt, kw, field):
     delta = kw.pop("stream_mode_delta", False)

@@ -13,10 +13,10 @@ import pytest
 import ray
 
 from pagedserve.cluster.runtime.engine_core_actor import EngineCoreActor
+from pagedserve.common.errors import ReplicaDrainingError
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import EngineCoreRequest
-from pagedserve.errors import ReplicaDrainingError
-from pagedserve.sampling_params import SamplingParams
 
 LEASE_S = 2.0
 MAX_TOKENS = 3000  # far longer than the lease at any speed this model runs

@@ -18,7 +18,7 @@ import ray
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.client import AsyncClient
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.kernels import cpu_gemm_bf16
+from pagedserve.kernels.cpu import gemm_bf16 as cpu_gemm_bf16
 from pagedserve.tests.server_thread import ServerThread
 
 STREAMS = 1200
@@ -111,7 +111,7 @@ def test_rounds_of_1200_streams_with_cancels_and_deadlines(ray_cluster, llama_di
                     assert status in ("OK", "cancelled") and tokens == want[:len(tokens)], status
             assert sum(s == "OK" for s, _ in results) >= 0.7 * STREAMS
             _wait_idle(srv)
-            assert not router._inflight and not router.processor.states  # nothing kept per request
+            assert not router.inflight and not router.processor.states  # nothing kept per request
             gc.collect()
             ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the OS, so RSS shows what is kept
             rss.append(psutil.Process().memory_info().rss + actor_proc.memory_info().rss)

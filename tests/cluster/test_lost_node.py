@@ -108,7 +108,7 @@ def main(model_dir: str, new_dir: str) -> None:
                 # the node goes after the moved streams reached the kept replica, and they must still end exactly.
                 while not any(r.retiring for r in states) and len(states) > 1:
                     await asyncio.sleep(0.005)
-                keep = next(r for r in states if not r.retiring).replica
+                keep = next(r for r in states if not r.retiring)
                 await asyncio.to_thread(cluster.remove_node, next(n for n in nodes if n.node_id == node_of(keep)))
                 report["scale_in_status"] = (await scale).status_code
 

@@ -66,7 +66,7 @@ def _policy_report(gateway, http_url: str) -> dict:
     import httpx2
     import ray
 
-    replicas = [r.replica for r in gateway.state.engine.replicas]
+    replicas = list(gateway.state.engine.replicas)
 
     def queries() -> list[int]:
         return [ray.get(r.actor.get_stats.remote()).scheduler.prefix_cache_queries for r in replicas]
@@ -84,7 +84,7 @@ def _policy_report(gateway, http_url: str) -> dict:
             list(pool.map(complete, [system + [q + 10, 4] for q in range(4)]))
         grew[tenant] = [after - b for after, b in zip(queries(), before)]
     return {"nodes": ray.get([r.actor.get_node_id.remote() for r in replicas]), "grew": grew,
-            "decisions": dict(gateway.state.engine.decisions)}
+            "decisions": dict(gateway.state.engine.picker.decisions)}
 
 
 def _fragmented() -> dict:

@@ -19,9 +19,9 @@ from openai.types import Completion
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.client import AsyncClient
-from pagedserve.config import default_model_dir
+from pagedserve.common.config import default_model_dir
+from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.tests.server_thread import ServerThread, free_port, start_in_background
 from pagedserve.tests.utils import random_prompts
 
@@ -375,6 +375,25 @@ def test_errors_arrive_as_sdk_exceptions(server, client, kw, status, param):
     assert set(e.body) == {"message", "type", "param", "code"} and e.body["param"] == param
     assert _metric(server, "pagedserve_request_errors_total", protocol="http") == before + 1
     assert client.completions.create(model=MODEL, prompt="class", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_priority_needs_the_priority_policy_and_no_tenant_header_is_trusted(server, client):
+    """Under the default fcfs policy a priority other than 0 (the SDK's extra_body, as vLLM) is the engine's 400. A
+    server that names no tenant header ignores one: the request is the default tenant's."""
+    chat = [{"role": "user", "content": "x"}]
+    for create in (lambda **kw: client.completions.create(prompt="class", **kw),
+                   lambda **kw: client.chat.completions.create(messages=chat, **kw)):
+        with pytest.raises(openai.BadRequestError) as err:
+            create(model=MODEL, max_tokens=2, extra_body={"priority": -1})
+        assert err.value.body["param"] == "priority"
+        assert err.value.body["message"] == "priority -1 needs --scheduling-policy priority; this engine schedules fcfs"
+        assert create(model=MODEL, max_tokens=2, extra_body={"priority": 0}).usage.completion_tokens == 2
+    before = _metric(server, "pagedserve_tenant_requests_total", tenant="default")
+    r = httpx2.post(f"{server.http_url}/v1/completions", json={"prompt": "class", "max_tokens": 2},
+                    headers={"x-tenant-id": "team-a"})
+    assert r.status_code == 200
+    assert _metric(server, "pagedserve_tenant_requests_total", tenant="default") == before + 1
+    assert 'tenant="team-a"' not in httpx2.get(f"{server.http_url}/metrics").text
 
 
 def test_unknown_fields_are_ignored_and_named_guided_fields_constrain(server, client, offline, caplog):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import default_model_dir
+from pagedserve.common.config import default_model_dir
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.tests.server_thread import ServerThread, free_port
 

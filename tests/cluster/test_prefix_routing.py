@@ -31,7 +31,7 @@ def _queries(srv: ServerThread) -> list[int]:
 
 
 def _decisions(srv: ServerThread) -> dict[str, int]:
-    return dict(srv.gateway.state.engine.decisions)
+    return dict(srv.gateway.state.engine.picker.decisions)
 
 
 def test_prefix_aware_keeps_each_tenant_on_the_replica_holding_its_prefix(ray_cluster, llama_dir):
@@ -50,11 +50,11 @@ def test_prefix_aware_keeps_each_tenant_on_the_replica_holding_its_prefix(ray_cl
         _complete(srv, [8, 8, 8], session="s1")
         assert _decisions(srv)["affinity"] == 1
         engine = srv.gateway.state.engine
-        home = engine.replicas[engine._sessions["s1"]]
+        home = engine.replicas[engine.picker._sessions["s1"]]
         ray.kill(home.actor, no_restart=True)
         _complete(srv, [7, 7, 7], session="s1")
         assert _decisions(srv)["affinity_fallback"] == 1
-        assert engine._sessions["s1"] != home.index
+        assert engine.picker._sessions["s1"] != home.index
     finally:
         srv.stop()
 

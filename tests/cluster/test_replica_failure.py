@@ -11,11 +11,11 @@ import time
 import pytest
 from ray import cloudpickle
 
+from pagedserve.common.errors import EngineUnavailableError
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import EngineCoreRequest
 from pagedserve.engine.engine_core import WARMUP_ID, EngineCore
-from pagedserve.errors import EngineUnavailableError
-from pagedserve.sampling_params import SamplingParams
 from pagedserve.tests.server_thread import ServerThread, free_port
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.scheduler.spec_decode import propose_ngram
 from pagedserve.tests.utils import ARCHS, assert_all_blocks_free, load_hf_reference, random_prompts
 

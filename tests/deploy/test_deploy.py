@@ -66,7 +66,7 @@ def test_prometheus_config_scrapes_the_gateway():
     assert job.get("metrics_path", "/metrics") == "/metrics"
     assert job["static_configs"][0]["targets"] == ["localhost:9400"]
     assert cfg["rule_files"] == ["alerts.yml"]
-    from pagedserve.cluster.entrypoints.serve import ServeOptions
+    from pagedserve.cluster.entrypoints.serve_options import ServeOptions
 
     assert ServeOptions().metrics_port == 9400  # the documented default target port
 

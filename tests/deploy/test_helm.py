@@ -610,10 +610,14 @@ def test_secured_api_key_and_tls_from_secrets():
         assert {"name": "api-key", "secret": {"secretName": "pagedserve-api-key", "defaultMode": 0o440}} in \
             tmpl["spec"]["volumes"]
         assert {"name": "api-key", "mountPath": "/etc/pagedserve/api-key", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "tenants", "secret": {"secretName": "pagedserve-tenants", "defaultMode": 0o440}} in \
+            tmpl["spec"]["volumes"]
+        assert {"name": "tenants", "mountPath": "/etc/pagedserve/tenants", "readOnly": True} in c["volumeMounts"]
         assert {"name": "tls", "secret": {"secretName": "pagedserve-tls"}} in tmpl["spec"]["volumes"]
         f = flags(c)
         assert f["ssl-certfile"] == "/etc/pagedserve/tls/tls.crt" and f["ssl-keyfile"] == "/etc/pagedserve/tls/tls.key"
         assert f["api-key-file"] == "/etc/pagedserve/api-key/api-key" and "api-key" not in f  # the key never in argv
+        assert f["tenants-file"] == "/etc/pagedserve/tenants/tenants.json"
         # The kubelet's plain gRPC probe cannot speak TLS: the probes run the CLI, verifying against the CA.
         for name in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[name]["exec"]["command"] == [
@@ -675,6 +679,8 @@ BAD_VALUES = {
     "a scratch size that is no quantity": {"scratch": {"home": {"sizeLimit": "lots"}}},
     "an extra scratch dir named as a built-in one": {"scratch": {"extra": [{"name": "tmp", "mountPath": "/t"}]}},
     "an extra scratch dir without a path": {"scratch": {"extra": [{"name": "x"}]}},
+    "a scratch dir named as the tenants secret": {"scratch": {"extra": [{"name": "tenants", "mountPath": "/t"}]}},
+    "a tenants secret without a key": {"tenants": {"existingSecret": "t", "secretKey": ""}},
     # Checked by the templates (a schema cannot compare two values):
     "grace period within the drain": {"terminationGracePeriodSeconds": 30, "engine": {"drainTimeout": 30}},
     "http probe without the http api": {"probes": {"handler": "http"}, "server": {"httpApi": {"enabled": False}}},
@@ -761,6 +767,11 @@ def test_kuberay_gateway_deployment():
     svc = one(docs, "Service")
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    secured = one(objects_for(merged("kuberay-dp2", "secured", **{"kuberay.gateways.enabled": True})), "Deployment")
+    c = secured["spec"]["template"]["spec"]["containers"][0]  # the same keys and tenants as the head's gateway
+    assert flags(c)["api-key-file"] == "/etc/pagedserve/api-key/api-key"
+    assert flags(c)["tenants-file"] == "/etc/pagedserve/tenants/tenants.json"
+    assert {"name": "tenants", "mountPath": "/etc/pagedserve/tenants", "readOnly": True} in c["volumeMounts"]
 
 
 # ---------------------------------------------------------------- elastic replicas (issue 34)

@@ -254,11 +254,11 @@ def test_label_names_exist(stack):
 
 
 def test_render_dashboard_png(stack, tmp_path):
-    """benchmarks/render_dashboard.py draws the key panels from this Prometheus into a PNG."""
+    """benchmarks/bench_render_dashboard.py draws the key panels from this Prometheus into a PNG."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("render_dashboard",
-                                                  f"{promql.DEPLOY_DIR}/../benchmarks/render_dashboard.py")
+                                                  f"{promql.DEPLOY_DIR}/../benchmarks/bench_render_dashboard.py")
     render = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render)
     _, prom, _ = stack

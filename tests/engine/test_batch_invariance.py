@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.kernels import cpu_gemm_bf16
+from pagedserve.kernels.cpu import gemm_bf16 as cpu_gemm_bf16
 from pagedserve.tests.utils import random_prompts
 from pagedserve.worker.cpu import packing as cpu_linear
 

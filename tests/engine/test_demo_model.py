@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import default_model_dir
+from pagedserve.common.config import default_model_dir
 
 
 def test_bundled_model_is_default_and_matches_hf():

@@ -8,11 +8,11 @@ import time
 import pytest
 
 from pagedserve import EngineArgs, LLMEngine, SamplingParams
+from pagedserve.common.errors import OverloadedError
+from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.engine.core_types import EngineCoreRequest
 from pagedserve.engine.grammar_check import GrammarCheck
 from pagedserve.engine.tokenizer import guidance_tokenizer, load_tokenizer
-from pagedserve.errors import OverloadedError
-from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.tests.utils import EOS, VOCAB, assert_all_blocks_free
 
 
@@ -103,9 +103,12 @@ def test_a_slow_grammar_does_not_stall_a_plain_request(engine):
     # The intake did not wait for its check to end (it waits INTAKE_WAIT_S), and the plain request got tokens all
     # through the engine's compile.
     assert added < check.ended, (added - start, check.ended - check.started)
+    # Tokens came in both halves of the compile (an engine that compiled on its own thread would step neither);
+    # not a bound on the longest gap: a shared CI machine once paused this process for 0.7 s of a 1.1 s window.
     ran = [t for t in stamps if compile_.started < t < end]
-    gaps = [b - a for a, b in zip([compile_.started, *ran], [*ran, end])]
-    assert len(ran) >= 3 and max(gaps) < window / 2, (len(ran), max(gaps), window)
+    middle = compile_.started + window / 2
+    halves = (sum(t <= middle for t in ran), sum(t > middle for t in ran))
+    assert len(ran) >= 3 and min(halves) >= 1, (halves, window)
     engine.abort_request(["plain", "slow"])
     assert_all_blocks_free(engine)
 

@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import default_model_dir
+from pagedserve.common.config import default_model_dir
+from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.kernels import cpu_gemm_int8, torch_ref
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.kernels import torch_ref
+from pagedserve.kernels.cpu import gemm_int8 as cpu_gemm_int8
 
 PROMPTS = ["def __init__(self", "import os\n\ndef", "for i in range(", "class Parser:\n    def parse(self, text):",
            "    return self._"]

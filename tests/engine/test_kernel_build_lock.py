@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.kernels import cpu_extension
+from pagedserve.kernels.cpu import extension as cpu_extension
 
 pytestmark = pytest.mark.skipif(not cpu_extension.available(), reason="the C++ kernels do not build here")
 
-LOAD = "from pagedserve.kernels import cpu_extension; cpu_extension.load(); print('loaded')"
+LOAD = "from pagedserve.kernels.cpu import extension; extension.load(); print('loaded')"
 
 
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path, monkeypatch):

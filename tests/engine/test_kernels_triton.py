@@ -4,8 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import torch_ref, triton_attention, triton_ops
-from pagedserve.kernels.triton_attention import AttentionConfig
+from pagedserve.kernels import torch_ref
+from pagedserve.kernels.triton import attention as triton_attention
+from pagedserve.kernels.triton import ops as triton_ops
+from pagedserve.kernels.triton.attention import AttentionConfig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.kernels import cpu_ops, triton_ops
-from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.tests.engine.test_bf16 import TOP, assert_close_greedy
 from pagedserve.tests.utils import assert_all_blocks_free, random_prompts
 
@@ -48,7 +47,7 @@ def test_fp8_cache_greedy_close_to_bf16_cache(device, kv_cache_dtype):
         r = runner(llm)
         want = torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
         assert all(c.dtype == want for c in r.k_caches + r.v_caches)
-        assert r.backend is (cpu_ops if device == "cpu" else triton_ops)
+        assert r.backend.name == ("cpu" if device == "cpu" else "triton")
         assert llm.llm_engine.core.config.cache_config.num_blocks == 2 * bf16_blocks
         ours, our_tops = greedy_with_tops(llm, prompts)
         assert_all_blocks_free(llm)
@@ -107,8 +106,10 @@ def test_fp8_cache_under_tensor_parallel_equals_one_rank(ray_cluster, model_fact
 
 def test_fp8_cache_and_int8_weights_together_on_a_moe_model(model_factory):
     """Both options on Mixtral (experts quantized like any linear, the router not): greedy tokens stay within the
-    top-5 rule of the plain bf16 model's."""
-    model_dir = model_factory("mixtral")
+    top-5 rule of the plain bf16 model's. Every expert is active: a random router sits near ties, where a rounding
+    error swaps an expert and the logits jump, which is no error of either option (transformers 5.25's random
+    weights put such a swap into this test's top-2 model)."""
+    model_dir = model_factory("mixtral", num_experts_per_tok=4)
     prompts = random_prompts(4, seed=14)
     with LLM(model_dir, dtype="bfloat16") as llm:
         ref, ref_tops = greedy_with_tops(llm, prompts)

@@ -9,32 +9,34 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve import LLM
-from pagedserve.kernels import (
-    cpu_extension,
-    cpu_fused,
-    cpu_gemm,
-    cpu_gemm_bf16,
-    cpu_layer,
-    cpu_ops,
-    get_backend,
-    torch_ref,
-    triton_ops,
-)
-from pagedserve.tests.utils import assert_greedy_equals_hf, random_prompts
-from pagedserve.worker import sampler
+from pagedserve.kernels import torch_ref
+from pagedserve.kernels.backend import KernelBackend
+from pagedserve.kernels.cpu import extension as cpu_extension
+from pagedserve.kernels.cpu import fused as cpu_fused
+from pagedserve.kernels.cpu import gemm as cpu_gemm
+from pagedserve.kernels.cpu import gemm_bf16 as cpu_gemm_bf16
+from pagedserve.kernels.cpu import layer as cpu_layer
+from pagedserve.kernels.triton import ops as triton_ops
+from pagedserve.tests.utils import assert_greedy_equals_hf, backend_context, cpu_backend, random_prompts
 from pagedserve.worker.cpu.decoder_layer import attach_decoder_layers
 from pagedserve.worker.cpu.packing import pack_linears
-from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
+from pagedserve.worker.forward_context import AttentionMetadata
 from pagedserve.worker.layers.activation import SiluAndMul
 from pagedserve.worker.layers.layernorm import RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 
 BUILT = cpu_extension.available()
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # layers run alone, on the C++ kernels
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 ROWS = [1, 37]  # one token; a prefill of many rows
 SIZES = [1, 7, 12, 50, 72, 80, 100, 150, 333]  # rows of any width: a scalar tail past the 16- and 8-lane steps
 HEADS = [(6, 2, 12), (6, 3, 80), (4, 4, 64), (6, 2, 96), (4, 1, 128), (6, 6, 36)]  # (Hq, Hkv, head size)
+
+
+def _cpu() -> KernelBackend:
+    """The C++ backend, or the spec's where the extension is not built."""
+    return cpu_backend() if BUILT else KernelBackend(torch.device("cpu"))
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -49,11 +51,11 @@ def test_rms_norm_any_hidden_size(dtype, hidden):
     for rows in ROWS:
         x, res = _randn(rows, hidden, dtype=dtype), _randn(rows, hidden, dtype=dtype, seed=2)
         assert cpu_fused.rms_norm_supported(x, norm.weight, res) == BUILT  # the C++ path, not a fallback
-        torch.testing.assert_close(norm(x).float(), norm._norm(x).float(), **TOL[dtype])
+        torch.testing.assert_close(norm(x).float(), torch_ref.rms_norm(x, norm.weight, 1e-6).float(), **TOL[dtype])
         total = (x.float() + res.float()).to(dtype)
         got, got_res = norm(x.clone(), res.clone())
         torch.testing.assert_close(got_res.float(), total.float(), **TOL[dtype])
-        torch.testing.assert_close(got.float(), norm._norm(total).float(), **TOL[dtype])
+        torch.testing.assert_close(got.float(), torch_ref.rms_norm(total, norm.weight, 1e-6).float(), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -78,8 +80,7 @@ def test_rotary_any_head_size(dtype, hq, hkv, head, partial):
         qkv = _randn(rows, (hq + 2 * hkv) * head, dtype=dtype)  # q and k as strided views, as the layer has them
         q, k = qkv[:, :hq * head].view(rows, hq, head), qkv[:, hq * head:(hq + hkv) * head].view(rows, hkv, head)
         positions = torch.randint(0, 512, (rows,), generator=torch.Generator().manual_seed(3))
-        cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
-        want_q, want_k = rope._rotate(q.float(), cos, sin), rope._rotate(k.float(), cos, sin)
+        want_q, want_k = torch_ref.rotary(positions, q.float(), k.float(), rope.cos, rope.sin, rot)
         assert cpu_fused.rotary_supported(positions, q, k, rope.cos, rope.sin, rot) == BUILT
         got_q, got_k = rope(positions, q, k)
         torch.testing.assert_close(got_q.float(), want_q, **TOL[dtype])
@@ -108,24 +109,24 @@ def test_kv_writes_and_attention_any_head_size(dtype, hq, hkv, head):
     key, value = kv[:, :hkv], kv[:, hkv + 1:]  # strided tokens
     slots = torch.tensor([3, -1, 17, 30])
     got_k, got_v = case["k_cache"].clone(), case["v_cache"].clone()
-    cpu_ops.reshape_and_cache(key, value, got_k, got_v, slots)
+    _cpu().reshape_and_cache(key, value, got_k, got_v, slots)
     assert cpu_fused.reshape_and_cache_supported(key, value, got_k, got_v) == BUILT
     torch_ref.reshape_and_cache(key, value, case["k_cache"], case["v_cache"], slots)
     assert torch.equal(got_k, case["k_cache"]) and torch.equal(got_v, case["v_cache"])
-    got = cpu_ops.paged_attention(**case)
+    got = _cpu().paged_attention(**case)
     torch.testing.assert_close(got.float(), torch_ref.paged_attention(**case).float(), **TOL[dtype])
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 33, 331, 1000])
 def test_bitmask_and_argmax_any_vocab_size(vocab):
     logits = _randn(5, vocab, dtype=torch.float32)
-    assert torch.equal(sampler._argmax(logits), logits.argmax(dim=1))
+    assert torch.equal(_cpu().argmax(logits), logits.argmax(dim=1))
     rows = torch.tensor([0, 3])
     for words in (-(-vocab // 32), 1):  # every token's bit; too few words (the rest masked)
         bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, words), generator=torch.Generator().manual_seed(5),
                                 dtype=torch.int32)
         assert cpu_fused.apply_token_bitmask_supported(logits, rows, bitmask) == BUILT
-        assert torch.equal(sampler.apply_token_bitmask(logits, rows, bitmask),
+        assert torch.equal(_cpu().apply_token_bitmask(logits, rows, bitmask),
                            torch_ref.apply_token_bitmask(logits, rows, bitmask))
 
 
@@ -173,8 +174,7 @@ def test_one_call_layer_odd_sizes_equal_the_module_path(dtype):
     assert cpu_layer.takes(6, 2, 80, 80) and not cpu_layer.takes(6, 2, 12, 12)
     ids, positions = torch.arange(3, 12), torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2])  # two prefills
     md = AttentionMetadata(torch.tensor([0, 1, 2, 3, 4, 5, 16, 17, 18]), torch.tensor([[0], [1]], dtype=torch.int32),
-                           torch.tensor([0, 6, 9], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32),
-                           get_backend("cpu"))
+                           torch.tensor([0, 6, 9], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32))
     outs = []
     for layers in (model.model.cpu_layers, None):
         model.model.cpu_layers = layers
@@ -182,7 +182,7 @@ def test_one_call_layer_odd_sizes_equal_the_module_path(dtype):
             a = layer.self_attn.attn
             a.k_cache = torch.zeros(2, 16, a.num_kv_heads, a.head_size, dtype=dtype)
             a.v_cache = torch.zeros_like(a.k_cache)
-        with torch.inference_mode(), set_forward_context(md):
+        with torch.inference_mode(), backend_context(cpu_backend(), md):
             outs.append(model(ids, positions))
     assert torch.equal(outs[0], outs[1])
 

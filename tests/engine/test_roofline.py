@@ -1,4 +1,4 @@
-"""benchmarks/roofline.py: the model FLOPs MFU counts (prompts included) and the floor's replay of the scheduler,
+"""benchmarks/bench_roofline.py: the model FLOPs MFU counts (prompts included) and the floor's replay of the scheduler,
 whose step count must be the engine's own on the same workload."""
 from __future__ import annotations
 
@@ -70,9 +70,12 @@ def test_results_files_are_named_by_cpu_model(load_benchmark):
     assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", slug), slug
     assert os.path.basename(common.results_path("throughput", "json")) == f"throughput-{slug}.json"
     names = [n for n in os.listdir(common.RESULTS) if os.path.isfile(os.path.join(common.RESULTS, n))]
-    assert names and all(re.fullmatch(r"[a-z][a-z0-9_]*-[a-z0-9-]+\.(json|png)", n) for n in names), names
-    # A GPU run (benchmarks/gpu_check.sh) keeps its logs beside its results, in results/gpu/.
+    assert names and all(re.fullmatch(r"[a-z][a-z0-9_]*-[a-z0-9-]+\.(json|png)", n) for n in names
+                         if n != "INDEX.md"), names
+    # A GPU run (benchmarks/gpu_check.sh) keeps its logs beside its results, in results/gpu/; earlier runs are in
+    # results/archive/.
     gpu = os.path.join(common.RESULTS, "gpu")
-    subdirs = [n for n in os.listdir(common.RESULTS) if os.path.isdir(os.path.join(common.RESULTS, n))]
-    assert subdirs in ([], ["gpu"]) and all(re.fullmatch(r"[a-z][a-z0-9_]*(-[a-z0-9-]+)?\.(json|png|log|txt)", n)
-                                             for n in (os.listdir(gpu) if subdirs else [])), subdirs
+    subdirs = sorted(n for n in os.listdir(common.RESULTS) if os.path.isdir(os.path.join(common.RESULTS, n)))
+    assert set(subdirs) <= {"archive", "gpu"} and all(
+        re.fullmatch(r"[a-z][a-z0-9_]*(-[a-z0-9-]+)?\.(json|png|log|txt)", n)
+        for n in (os.listdir(gpu) if "gpu" in subdirs else [])), subdirs

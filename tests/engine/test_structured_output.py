@@ -13,9 +13,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import default_model_dir
-from pagedserve.errors import InvalidRequestError
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.common.config import default_model_dir
+from pagedserve.common.errors import InvalidRequestError
+from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.scheduler.structured_output import grammar_spec
 from pagedserve.tests.utils import assert_all_blocks_free, random_prompts
 

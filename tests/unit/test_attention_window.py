@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_attention, cpu_extension, torch_ref
+from pagedserve.kernels import torch_ref
+from pagedserve.kernels.cpu import attention as cpu_attention
+from pagedserve.kernels.cpu import extension as cpu_extension
 from pagedserve.tests.utils import paged_case
 
 # Decodes at block edges, a fresh prefill, chunks after a cached prefix (one longer than a 32-row tile).

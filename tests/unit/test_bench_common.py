@@ -1,5 +1,5 @@
-"""benchmarks/common.py's CPU description, which every result carries: machines of one kind have been Zen 4 and Zen 5
-EPYCs and Xeons, whose matmul rates differ 2x, so results must say which."""
+"""benchmarks/bench_common.py's CPU description, which every result carries: machines of one kind have been Zen 4 and
+Zen 5 EPYCs and Xeons, whose matmul rates differ 2x, so results must say which."""
 from __future__ import annotations
 
 import io

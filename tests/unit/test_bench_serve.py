@@ -1,4 +1,4 @@
-"""benchmarks/serve.py's latency definitions (vLLM's `bench serve`): TTFT from send to the first chunk, TPOT over
+"""benchmarks/bench_serve.py's latency definitions (vLLM's `bench serve`): TTFT from send to the first chunk, TPOT over
 the tokens after the first, ITL every gap between chunks, throughput over the whole run's span."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one-call C++ decoder layer (kernels/cpu_layer.py) gives bitwise the module path's hidden states and KV cache,
+"""The one-call C++ decoder layer (kernels/cpu/layer.py) gives bitwise the module path's hidden states and KV cache,
 on a mixed step (prefill chunks beside decodes), with GQA and every bias a LLaMA-family layer can have, in fp32
 (panel GEMM) and in bf16 (AVX512-BF16 panel GEMM, where this CPU has it); also with int8 weights and over fp8
 caches."""
@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_extension, cpu_gemm_bf16, get_backend
+from pagedserve.kernels.cpu import extension as cpu_extension
+from pagedserve.kernels.cpu import gemm_bf16 as cpu_gemm_bf16
+from pagedserve.tests.utils import backend_context, cpu_backend
 from pagedserve.worker.cpu.decoder_layer import attach_decoder_layers
 from pagedserve.worker.cpu.packing import pack_linears
-from pagedserve.worker.forward_context import AttentionMetadata, set_forward_context
+from pagedserve.worker.forward_context import AttentionMetadata
 from pagedserve.worker.layers.quantization import quantize_linears
 from pagedserve.worker.models.llama import LlamaForCausalLM
 
@@ -63,9 +65,8 @@ def _step(model, tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         qsl.append(len(ids))
         lens.append(s + len(toks))
     md = AttentionMetadata(torch.tensor(slots), torch.arange(4 * len(tokens), dtype=torch.int32).view(-1, 4),
-                           torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-                           get_backend("cpu"))
-    with torch.inference_mode(), set_forward_context(md):
+                           torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
+    with torch.inference_mode(), backend_context(cpu_backend(), md):
         return model(torch.tensor(ids), torch.tensor(pos))
 
 

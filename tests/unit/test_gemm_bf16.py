@@ -1,4 +1,4 @@
-"""The AVX512-BF16 panel GEMM (kernels/cpu_gemm_bf16.py) and its AMX tiles against a float64 matmul of the same
+"""The AVX512-BF16 panel GEMM (kernels/cpu/gemm_bf16.py) and its AMX tiles against a float64 matmul of the same
 bf16 inputs, their batch invariance, and bf16 linears packed for them. Skipped, saying so, on CPUs without
 AVX512-BF16 (the AMX cases on CPUs without AMX)."""
 from __future__ import annotations
@@ -8,13 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import cpu_gemm_bf16
-from pagedserve.worker.cpu.packed_linear import REUSED_OUT_ROWS, linear
+from pagedserve.kernels.backend import REUSED_OUT_ROWS
+from pagedserve.kernels.cpu import gemm_bf16 as cpu_gemm_bf16
+from pagedserve.tests.utils import cpu_backend
 from pagedserve.worker.cpu.packing import pack_linears
 from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-pytestmark = pytest.mark.skipif(not cpu_gemm_bf16.available(), reason="no AVX512-BF16 on this CPU")
+pytestmark = [pytest.mark.skipif(not cpu_gemm_bf16.available(), reason="no AVX512-BF16 on this CPU"),
+              pytest.mark.usefixtures("cpu_kernels")]  # layers run alone, on the C++ kernels
 KERNELS = [pytest.param(False, id="avx512"),
            pytest.param(True, id="amx", marks=pytest.mark.skipif(not cpu_gemm_bf16.amx(), reason="no AMX here"))]
 
@@ -116,4 +118,4 @@ def test_oneDNN_layout_without_bf16_panels():
     want = F.linear(torch.ones(2, 64, dtype=torch.bfloat16), lin.weight)
     assert pack_linears(nn.ModuleList([lin]), bf16_panels=False) == 1
     assert getattr(lin, "panel_weight", None) is None and lin.packed_weight is not None
-    torch.testing.assert_close(linear(lin, torch.ones(2, 64, dtype=torch.bfloat16), None), want)
+    torch.testing.assert_close(cpu_backend().linear(lin, torch.ones(2, 64, dtype=torch.bfloat16), None), want)

@@ -1,4 +1,4 @@
-"""The weight-only int8 GEMM (kernels/cpu_gemm_int8.py) against its spec ``torch_ref.int8_linear`` over odd shapes,
+"""The weight-only int8 GEMM (kernels/cpu/gemm_int8.py) against its spec ``torch_ref.int8_linear`` over odd shapes,
 fp32 and bf16 activations; its batch invariance; the quantizer; and int8 linears quantized and packed as a model's
 are (the torch reference where not packed)."""
 from __future__ import annotations
@@ -7,14 +7,17 @@ import pytest
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_gemm_bf16, cpu_gemm_int8, torch_ref
-from pagedserve.worker.cpu.packed_linear import linear
+from pagedserve.kernels import torch_ref
+from pagedserve.kernels.cpu import gemm_bf16 as cpu_gemm_bf16
+from pagedserve.kernels.cpu import gemm_int8 as cpu_gemm_int8
+from pagedserve.tests.utils import cpu_backend
 from pagedserve.worker.cpu.packing import pack_linears
 from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedserve.worker.layers.quantization import quantize_linears
 
-pytestmark = pytest.mark.skipif(not cpu_gemm_int8.available(), reason="the C++ kernels do not build here")
+pytestmark = [pytest.mark.skipif(not cpu_gemm_int8.available(), reason="the C++ kernels do not build here"),
+              pytest.mark.usefixtures("cpu_kernels")]  # layers run alone, on the C++ kernels
 # fp32 rows: FMA tiles. bf16 rows: FMA tiles and vdpbf16ps, or from 4 rows AMX tiles (an even K) where the CPU has
 # AMX.
 ACTIVATIONS = [pytest.param(torch.float32, False, id="fp32"), pytest.param(torch.bfloat16, False, id="bf16-avx512"),
@@ -130,7 +133,7 @@ def test_quantized_linears_packed_or_reference(dtype, int8_panels, caplog):
     for m in (qkv, row, head):
         packed = isinstance(getattr(m, "panel_weight", None), cpu_gemm_int8.Int8PanelWeight)
         assert packed == int8_panels and (m.weight.numel() == 0) == int8_panels
-        got = head.compute_logits(xs[m]) if m is head else linear(m, xs[m], m.bias)
+        got = head.compute_logits(xs[m]) if m is head else cpu_backend().linear(m, xs[m], m.bias)
         assert got.dtype == (torch.float32 if m is head else dtype)
         torch.testing.assert_close(got.float(), want[m].float(), atol=1e-5 * 128, rtol=2 ** -7)
 
@@ -142,4 +145,4 @@ def test_column_parallel_without_bias():
     x = torch.randn(3, 40)
     want = torch_ref.int8_linear(x, lin.weight, lin.weight_scale)
     pack_linears(nn.ModuleList([lin]))
-    torch.testing.assert_close(linear(lin, x, None), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu_backend().linear(lin, x, None), want, atol=1e-4, rtol=1e-5)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from pagedserve.errors import OverloadedError
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.common.errors import OverloadedError
+from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.scheduler.grammar_compiler import GrammarCompiler, constraint_key
 
 

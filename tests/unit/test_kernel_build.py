@@ -2,10 +2,12 @@
 import pytest
 import torch.utils.cpp_extension
 
-from pagedserve.kernels import cpu_extension, get_backend, torch_ref
+from pagedserve.kernels.backend import KernelBackend
+from pagedserve.kernels.cpu import extension as cpu_extension
+from pagedserve.kernels.select import select_backend
 
 COMPILER_OUTPUT = """Error building extension 'pagedserve_cpu_kernels': [1/7] c++ -MMD -MF fused.o.d ... -c fused.cpp
-/src/kernels/csrc/fused.cpp:12:3: error: 'rms_rows' was not declared in this scope
+/src/kernels/cpu/csrc/fused.cpp:12:3: error: 'rms_rows' was not declared in this scope
 ninja: build stopped: subcommand failed."""
 
 
@@ -32,6 +34,7 @@ def test_failed_build_names_the_fallback(monkeypatch):
         cpu_extension.load()
     assert again.value is first.value
     assert not cpu_extension.available()
+    cpu = torch.device("cpu")
     with pytest.raises(cpu_extension.KernelBuildError):
-        get_backend("cpu")
-    assert get_backend("torch") is torch_ref
+        select_backend("cpu", cpu, torch.float32)
+    assert type(select_backend("torch", cpu, torch.float32)) is KernelBackend

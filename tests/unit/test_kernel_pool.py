@@ -10,7 +10,9 @@ import time
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_extension, cpu_fused, cpu_gemm_bf16
+from pagedserve.kernels.cpu import extension as cpu_extension
+from pagedserve.kernels.cpu import fused as cpu_fused
+from pagedserve.kernels.cpu import gemm_bf16 as cpu_gemm_bf16
 
 
 @pytest.fixture(scope="module", autouse=True)

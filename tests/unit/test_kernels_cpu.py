@@ -8,14 +8,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import cpu_attention, cpu_extension, cpu_fused, cpu_gemm, cpu_gemm_bf16, get_backend, torch_ref
-from pagedserve.tests.utils import paged_case
+from pagedserve.kernels import torch_ref
+from pagedserve.kernels.cpu import attention as cpu_attention
+from pagedserve.kernels.cpu import extension as cpu_extension
+from pagedserve.kernels.cpu import fused as cpu_fused
+from pagedserve.kernels.cpu import gemm as cpu_gemm
+from pagedserve.kernels.cpu import gemm_bf16 as cpu_gemm_bf16
+from pagedserve.tests.utils import cpu_backend, paged_case
 from pagedserve.worker.cpu.hugepages import HUGE_PAGE, zeros_huge_pages
-from pagedserve.worker.cpu.packed_linear import linear
 from pagedserve.worker.cpu.packing import pack_linears, panel_gemm_preferred
 from pagedserve.worker.layers.layernorm import RMSNorm
 from pagedserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.worker.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # layers run alone, on the C++ kernels
 
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)  # a few bf16 ulps (2^-8 relative) on values of order 1
 FP32_TOL = dict(atol=2e-5, rtol=1e-5)
@@ -114,8 +120,7 @@ def test_attention_reads_strided_queries(dtype):
 
 def test_backend_routes_by_dtype():
     """fp32 and bf16 through the kernel; fp16 (not in the kernel) through the torch reference, same result."""
-    backend = get_backend("cpu")
-    assert backend.__name__.endswith("cpu_ops")
+    backend = cpu_backend()
     for dtype, tol in ((torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL), (torch.float16, dict(atol=4e-3,
                                                                                                   rtol=4e-3))):
         case = paged_case([1, 20, 1], [39, 0, 32], 2, 16, 64, dtype, seed=7)
@@ -130,7 +135,7 @@ def test_reshape_and_cache_skips_padding_and_reads_strided_rows(dtype):
     key, value = kv[:, :128].view(6, 2, 64), kv[:, 128:].view(6, 2, 64)
     slots = torch.tensor([5, -1, 17, 0, -1, 31])
     caches = [torch.zeros(2, 16, 2, 64, dtype=dtype) for _ in range(4)]
-    get_backend("cpu").reshape_and_cache(key, value, caches[0], caches[1], slots)
+    cpu_backend().reshape_and_cache(key, value, caches[0], caches[1], slots)
     torch_ref.reshape_and_cache(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]) and caches[0].any()
 
@@ -156,15 +161,15 @@ def test_rms_norm_and_fused_residual(dtype, hidden):
 
 
 def test_rms_norm_layer_fp32_is_the_torch_path():
-    """The layer's C++ path and its torch path agree to fp32 rounding, with and without a residual."""
+    """The layer's C++ path and the spec agree to fp32 rounding, with and without a residual."""
     norm = RMSNorm(64, 1e-5)
     norm.weight.data = torch.randn(64)
     x, res = torch.randn(9, 64), torch.randn(9, 64)
-    torch.testing.assert_close(norm(x), norm._norm(x), **FP32_TOL)
+    torch.testing.assert_close(norm(x), torch_ref.rms_norm(x, norm.weight, 1e-5), **FP32_TOL)
     want_res = x + res
     got, got_res = norm(x.clone(), res.clone())
     torch.testing.assert_close(got_res, want_res, **FP32_TOL)
-    torch.testing.assert_close(got, norm._norm(want_res), **FP32_TOL)
+    torch.testing.assert_close(got, torch_ref.rms_norm(want_res, norm.weight, 1e-5), **FP32_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -186,9 +191,8 @@ def test_rotary_in_place_on_strided_heads(dtype, rotary_dim):
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(11, 4, 3, 64, generator=g).to(dtype)
     positions = torch.randint(0, 512, (11,), generator=g)
-    want_q, want_k = rope._rotate(qkv[:, :, 0].float(), rope.cos[positions].unsqueeze(1),
-                                  rope.sin[positions].unsqueeze(1)), \
-        rope._rotate(qkv[:, :, 1].float(), rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1))
+    want_q, want_k = torch_ref.rotary(positions, qkv[:, :, 0].float(), qkv[:, :, 1].float(), rope.cos, rope.sin,
+                                      rotary_dim)
     v_before = qkv[:, :, 2].clone()
     q, k = rope(positions, qkv[:, :, 0], qkv[:, :, 1])
     assert q.data_ptr() == qkv.data_ptr()  # in place
@@ -252,7 +256,7 @@ def test_packed_linears_match_f_linear_and_keep_tied_weights(panels):
     assert row.weight.numel() == 0 and getattr(row, attr) is not None and col.weight.numel() == 96 * 64
     assert getattr(tied, attr) is getattr(col, attr) and tied.weight is col.weight
     torch.testing.assert_close(row(col(x)), want, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(linear(tied, x, None), F.linear(x, col.weight), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu_backend().linear(tied, x, None), F.linear(x, col.weight), atol=1e-4, rtol=1e-5)
 
 
 def _anon_huge_kib(addr: int) -> int:
@@ -302,7 +306,7 @@ def test_packed_panels_share_one_huge_page_buffer():
     ptrs = sorted(m.panel_weight.panels.data_ptr() for m in layers)
     assert [ptrs[1] - ptrs[0], ptrs[2] - ptrs[1]] == [512 * 1024 * 4] * 2  # consecutive slices of one buffer
     for m, w in zip(layers, want):
-        torch.testing.assert_close(linear(m, torch.ones(2, 512), None), w, atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(cpu_backend().linear(m, torch.ones(2, 512), None), w, atol=1e-3, rtol=1e-5)
     if _thp_enabled():
         assert ptrs[0] % HUGE_PAGE == 0 and _anon_huge_kib(ptrs[0]) >= HUGE_PAGE // 1024
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_attention, cpu_extension, cpu_gemm_bf16, cpu_ops, torch_ref
-from pagedserve.tests.utils import paged_case
+from pagedserve.kernels import torch_ref
+from pagedserve.kernels.cpu import attention as cpu_attention
+from pagedserve.kernels.cpu import extension as cpu_extension
+from pagedserve.kernels.cpu import gemm_bf16 as cpu_gemm_bf16
+from pagedserve.tests.utils import cpu_backend, paged_case
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -92,7 +95,7 @@ def test_cpu_attention_over_fp8_matches_reference(cache_dtype, dtype, gqa, head_
     case = fp8_case(cache_dtype, 0.5, 2.0, [1, 1, 1, 20, 45, 1], [15, 16, 1300, 33, 0, 0], gqa, block_size,
                     head_size, dtype, seed=gqa + head_size)
     assert cpu_attention.supports(case[0], case[1])
-    got = cpu_ops.paged_attention(*case, k_scale=0.5, v_scale=2.0)
+    got = cpu_backend().paged_attention(*case, k_scale=0.5, v_scale=2.0)
     want = torch_ref.paged_attention(case[0].float(), *case[1:], k_scale=0.5, v_scale=2.0)
     assert want.abs().mean() > 0.1
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -103,7 +106,7 @@ def test_cpu_attention_over_fp8_matches_reference(cache_dtype, dtype, gqa, head_
 def test_cpu_attention_over_fp8_with_window_and_soft_cap(cache_dtype):
     case = fp8_case(cache_dtype, 1.0, 1.0, [1, 30, 1], [40, 10, 700], 2, 64, 16, torch.float32, seed=3)
     for kw in (dict(sliding_window=24), dict(logits_soft_cap=5.0)):
-        got = cpu_ops.paged_attention(*case, **kw)
+        got = cpu_backend().paged_attention(*case, **kw)
         torch.testing.assert_close(got, torch_ref.paged_attention(*case, **kw), atol=2e-5, rtol=1e-5)
 
 
@@ -116,7 +119,7 @@ def test_cpu_reshape_and_cache_writes_the_reference_bytes(cache_dtype, dtype):
     slots = torch.randperm(6 * 16, generator=g)[:23]
     slots[[0, 9]] = -1
     caches = [torch.zeros(6, 16, 3, 64, dtype=cache_dtype) for _ in range(4)]
-    cpu_ops.reshape_and_cache(key, value, caches[0], caches[1], slots, 0.25, 3.0)
+    cpu_backend().reshape_and_cache(key, value, caches[0], caches[1], slots, 0.25, 3.0)
     torch_ref.reshape_and_cache(key, value, caches[2], caches[3], slots, 0.25, 3.0)
     assert caches[0].float().abs().max() == torch.finfo(cache_dtype).max  # some keys saturated
     for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
@@ -145,7 +148,7 @@ def test_cpu_reshape_and_cache_rounds_every_edge_as_torch(cache_dtype, dtype):
     x = _rounding_edges(cache_dtype).to(dtype).view(-1, 1, 64)
     slots = torch.arange(x.shape[0])
     caches = [torch.zeros(x.shape[0], 1, 1, 64, dtype=cache_dtype) for _ in range(4)]
-    cpu_ops.reshape_and_cache(x, x, caches[0], caches[1], slots, 1.0, 0.5)
+    cpu_backend().reshape_and_cache(x, x, caches[0], caches[1], slots, 1.0, 0.5)
     torch_ref.reshape_and_cache(x, x, caches[2], caches[3], slots, 1.0, 0.5)
     for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

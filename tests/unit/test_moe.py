@@ -11,6 +11,8 @@ from pagedserve.worker import parallel_state
 from pagedserve.worker.cpu.decoder_layer import CPUDecoderLayers
 from pagedserve.worker.layers.moe import SparseMoeBlock, local_experts, select_experts
 
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # layers run alone, on the C++ kernels
+
 HIDDEN, INTER = 24, 40  # not multiples of 16
 
 

@@ -12,18 +12,20 @@ import math
 import pytest
 
 from pagedserve import __version__
-from pagedserve.cluster.entrypoints.serve import ServeOptions, add_arguments, run
+from pagedserve.cluster.entrypoints.serve import add_arguments, run
+from pagedserve.cluster.entrypoints.serve_options import ServeOptions
 from pagedserve.cluster.runtime.ray_auth import unauthenticated_exposure
-from pagedserve.cluster.server.api_options import ApiOptions, api_keys, exposure_warning
+from pagedserve.cluster.server.api_keys import KeyTable, split_api_keys
+from pagedserve.cluster.server.api_options import ApiOptions, exposure_warning
 from pagedserve.cluster.server.openai.chat_template import ChatTemplate, load_chat_template
 from pagedserve.cluster.server.openai.errors import OpenAIError
 from pagedserve.cluster.server.openai.logprobs import CompletionLogprobsBuilder
 from pagedserve.cluster.server.openai.protocol import ErrorResponse, VersionResponse
 from pagedserve.cluster.server.openai.sse import sse_events
-from pagedserve.config import default_model_dir
+from pagedserve.common.config import default_model_dir
+from pagedserve.common.errors import EngineUnavailableError
+from pagedserve.common.outputs import Logprob
 from pagedserve.engine.tokenizer import load_tokenizer
-from pagedserve.errors import EngineUnavailableError
-from pagedserve.outputs import Logprob
 
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
 
@@ -119,14 +121,15 @@ def test_api_keys_from_flags_and_a_file(tmp_path, monkeypatch):
     keys = tmp_path / "keys"
     keys.write_text("k3\n\n k4 \n")
     ns = p.parse_args(["--api-key", "k1", "--api-key", "k2,", "--api-key-file", str(keys)])
-    assert ns.api_key == "k1,k2,k3,k4" and api_keys(ns.api_key) == ["k1", "k2", "k3", "k4"]  # the env key replaced
+    assert ns.api_key == "k1,k2,k3,k4" and split_api_keys(ns.api_key) == ["k1", "k2", "k3", "k4"]  # env replaced
     (tmp_path / "empty").write_text("\n")
     for bad in (["--api-key-file", str(tmp_path / "empty")], ["--api-key-file", str(tmp_path / "missing")]):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
-    assert exposure_warning("0.0.0.0", None) and exposure_warning("gw.example", "") is not None
-    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
-    assert exposure_warning("0.0.0.0", "k") is None
+    none = KeyTable.build()
+    assert exposure_warning("0.0.0.0", none) and exposure_warning("gw.example", KeyTable.build("")) is not None
+    assert exposure_warning("127.0.0.1", none) is None and exposure_warning("::1", none) is None
+    assert exposure_warning("0.0.0.0", KeyTable.build("k")) is None
 
 
 def test_logprobs_json_safe():
@@ -173,8 +176,8 @@ def test_app_before_the_engine_is_up(demo_tokenizer, monkeypatch):
     from pagedserve.cluster.server.state import ServingState
 
     monkeypatch.setattr(ServingState, "max_body_bytes", property(lambda self: 1000))
-    state = ServingState(demo_tokenizer, GatewayMetrics("m"), 10)
-    c = TestClient(app_module.build_app(state, api_key="k"), headers={"Authorization": "Bearer k"})
+    state = ServingState(demo_tokenizer, GatewayMetrics("m"), 10, keys=KeyTable.build("k"))
+    c = TestClient(app_module.build_app(state), headers={"Authorization": "Bearer k"})
     json_type = {"content-type": "application/json"}
 
     def post(body, headers=json_type):

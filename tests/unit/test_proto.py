@@ -7,9 +7,9 @@ from dataclasses import fields
 
 from pagedserve.cluster.client import build_request
 from pagedserve.cluster.server.grpc_api.protocol import params_from_proto
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.proto import generate as gen
 from pagedserve.proto.fields import SAMPLING_FIELDS
-from pagedserve.sampling_params import SamplingParams
 
 # Version stamps differ between grpcio-tools releases without changing the stubs' meaning.
 _STAMP = re.compile(r"^.*(Protobuf Python Version|ValidateProtobufRuntimeVersion|GRPC_GENERATED_VERSION = |"

@@ -6,14 +6,14 @@ import asyncio
 import pytest
 import ray
 
-from pagedserve.cluster.runtime import router as router_mod
+from pagedserve.cluster.runtime import resumption
 from pagedserve.cluster.runtime.replicas import Replica
 from pagedserve.cluster.runtime.router import ReplicaRouter
-from pagedserve.config import RequestLimits
+from pagedserve.common.config import RequestLimits
+from pagedserve.common.errors import EngineUnavailableError, ReplicaDrainingError
+from pagedserve.common.outputs import EngineCoreOutput, EngineHealth
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo
-from pagedserve.errors import EngineUnavailableError, ReplicaDrainingError
-from pagedserve.outputs import EngineCoreOutput, EngineHealth
-from pagedserve.sampling_params import SamplingParams
 
 
 def _info(num_kv_blocks: int) -> EngineInfo:
@@ -35,11 +35,11 @@ def test_pick_takes_the_least_loaded_serving_replica():
     router = _router()
     for state, load in zip(router.replicas, (3, 1, 2)):
         state.load = load
-    assert router._pick().index == 1
+    assert router.picker.pick().index == 1
     router.replicas[1].ready = False  # rebuilding its workers
-    assert router._pick().index == 2
+    assert router.picker.pick().index == 2
     router.replicas[2].alive = False
-    assert router._pick().index == 0
+    assert router.picker.pick().index == 0
 
 
 def test_no_serving_replica_is_unavailable_and_unhealthy():
@@ -49,7 +49,7 @@ def test_no_serving_replica_is_unavailable_and_unhealthy():
         state.alive = False
     assert not router.healthy
     with pytest.raises(EngineUnavailableError):
-        router._pick()
+        router.picker.pick()
 
 
 def test_a_waiting_request_takes_the_replica_that_comes_back():
@@ -63,10 +63,10 @@ def test_a_waiting_request_takes_the_replica_that_comes_back():
             calls.append(router.healthy)
 
         router.add_health_listener(listener)
-        waiter = asyncio.create_task(router._wait_for_replica())
+        waiter = asyncio.create_task(router.resumption.wait_for_replica())
         await asyncio.sleep(0.01)
         assert not waiter.done()
-        await router._set_state(router.replicas[1], alive=True)
+        await router.health.set_state(router.replicas[1], alive=True)
         picked = await asyncio.wait_for(waiter, 1.0)
         assert calls == [True]
         return picked.index
@@ -75,17 +75,17 @@ def test_a_waiting_request_takes_the_replica_that_comes_back():
 
 
 def test_a_waiting_request_gives_up_when_every_replica_is_gone(monkeypatch):
-    monkeypatch.setattr(router_mod, "RESUME_WAIT_S", 30.0)
+    monkeypatch.setattr(resumption, "RESUME_WAIT_S", 30.0)
 
     async def run():
         router = _router(2)
         for state in router.replicas:
             state.alive = False
-        waiter = asyncio.create_task(router._wait_for_replica())
+        waiter = asyncio.create_task(router.resumption.wait_for_replica())
         await asyncio.sleep(0.01)
         router.replicas[0].gone = True
         router.replicas[1].gone = True
-        await router._set_state(router.replicas[1], alive=False)
+        await router.health.set_state(router.replicas[1], alive=False)
         return await asyncio.wait_for(waiter, 1.0)
 
     assert asyncio.run(run()) is None
@@ -95,13 +95,13 @@ def test_a_failed_replica_is_routed_around_then_reported_with_its_error():
     async def run() -> None:
         router = _router(2)
         error = "RuntimeError: 0 active drivers"
-        await router._deliver(router.replicas[0], [EngineHealth(healthy=False, reason=error, failed=True)])
-        assert router.healthy and router._pick().index == 1 and router.health_detail == ""
-        await router._deliver(router.replicas[1], [EngineHealth(healthy=False, reason=error, failed=True)])
+        await router.health.deliver(router.replicas[0], [EngineHealth(healthy=False, reason=error, failed=True)])
+        assert router.healthy and router.picker.pick().index == 1 and router.health_detail == ""
+        await router.health.deliver(router.replicas[1], [EngineHealth(healthy=False, reason=error, failed=True)])
         assert not router.healthy
         assert router.health_detail == f"replica 0 failed: {error}; replica 1 failed: {error}"
         with pytest.raises(EngineUnavailableError, match="0 active drivers"):
-            router._pick()
+            router.picker.pick()
 
     asyncio.run(run())
 
@@ -110,10 +110,10 @@ def test_a_rebuilding_replica_is_skipped_until_it_serves_again():
     async def run() -> None:
         router = _router(2)
         router.replicas[1].load = 5
-        await router._deliver(router.replicas[0], [EngineHealth(healthy=False, reason="workers died")])
-        assert router._pick().index == 1 and router.replicas[0].error is None
-        await router._deliver(router.replicas[0], [EngineHealth(healthy=True)])
-        assert router._pick().index == 0
+        await router.health.deliver(router.replicas[0], [EngineHealth(healthy=False, reason="workers died")])
+        assert router.picker.pick().index == 1 and router.replicas[0].error is None
+        await router.health.deliver(router.replicas[0], [EngineHealth(healthy=True)])
+        assert router.picker.pick().index == 0
 
     asyncio.run(run())
 
@@ -166,7 +166,7 @@ async def _request_sent_to_replica_0() -> tuple[list[_Actor], ReplicaRouter, asy
 
 
 async def _finishes_on_replica_1(router: ReplicaRouter, first: asyncio.Future) -> None:
-    await router._deliver(router.replicas[1], [EngineCoreOutput("a", {0: [9, 10]}, finish_reasons={
+    await router.health.deliver(router.replicas[1], [EngineCoreOutput("a", {0: [9, 10]}, finish_reasons={
         0: ("length", None)}, finished=True)])
     out = await asyncio.wait_for(first, 1.0)
     assert out.finished and out.outputs[0].token_ids == [9, 10]
@@ -181,10 +181,10 @@ def test_a_request_its_replica_lets_go_while_taking_it_moves_on(answer):
         actors, router, first = await _request_sent_to_replica_0()
         lost = router.replicas[0]
         if answer == "taken":  # draining, then its stream ended (as a scale-in does)
-            await router._deliver(lost, [EngineHealth(healthy=False, reason="scaled in", draining=True)])
+            await router.health.deliver(lost, [EngineHealth(healthy=False, reason="scaled in", draining=True)])
         else:
             lost.alive = False
-        resume = asyncio.create_task(router._resume(router._inflight["a"], lost))
+        resume = asyncio.create_task(router.resumption.resume(router.inflight["a"], lost))
         await asyncio.sleep(0.02)
         assert not first.done() and not resume.done()  # it waits for the replica's answer
         if answer == "taken":

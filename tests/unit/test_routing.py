@@ -8,9 +8,9 @@ import pytest
 from pagedserve.cluster.runtime.replicas import Replica
 from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.cluster.runtime.routing import PrefixAware, RoundRobin, default_policy, make_policy
-from pagedserve.config import RequestLimits
+from pagedserve.common.config import RequestLimits
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo
-from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.block_manager import BlockManager, prompt_block_hashes
 from pagedserve.scheduler.kv_events import (
     AllBlocksCleared,
@@ -41,14 +41,14 @@ def _request(ids: list[int], salt: str | None = None) -> EngineCoreRequest:
 
 def _admit(router: ReplicaRouter, ids: list[int], session: str | None = None) -> tuple[int, str]:
     """Route a request and count it on its replica as ``generate`` does (it never finishes here)."""
-    pick = router._route(_request(ids), session)
+    pick = router.picker.route(_request(ids), session)
     pick.replica.load += 1
     pick.replica.work += len(ids) - pick.num_cached_tokens + 16
     return pick.replica.index, pick.reason
 
 
 def _deliver(router: ReplicaRouter, index: int, *items) -> None:
-    asyncio.run(router._deliver(router.replicas[index], list(items)))
+    asyncio.run(router.health.deliver(router.replicas[index], list(items)))
 
 
 SYSTEM = list(range(100, 100 + 20 * BS))  # a tenant's 20-block system prompt
@@ -94,9 +94,9 @@ def test_prefix_aware_sends_a_prompt_to_the_replica_holding_its_prefix():
     _cache(router, 1, SYSTEM + [1])
     assert _admit(router, SYSTEM + [7, 8, 9]) == (1, "prefix_hit")
     # A salted request hashes differently: nothing matches.
-    pick = router._route(_request(SYSTEM + [7, 8, 9], salt="tenant-b"))
+    pick = router.picker.route(_request(SYSTEM + [7, 8, 9], salt="tenant-b"))
     assert pick.reason == "no_match"
-    assert router.decisions["prefix_hit"] == 1 and router.decisions["no_match"] == 1
+    assert router.picker.decisions["prefix_hit"] == 1 and router.picker.decisions["no_match"] == 1
 
 
 def test_the_balance_factor_spreads_a_hot_prefix_once_its_replica_is_loaded():
@@ -126,14 +126,14 @@ def test_events_and_snapshots_keep_the_router_in_sync():
     _cache(router, 0, SYSTEM + [1])
     assert router.replicas[0].cached == set(h)
     _deliver(router, 0, KVEventBatch([BlockRemoved(h[-1])]))
-    assert router._route(_request(SYSTEM + [1])).num_cached_tokens == (len(h) - 1) * BS
+    assert router.picker.route(_request(SYSTEM + [1])).num_cached_tokens == (len(h) - 1) * BS
     _deliver(router, 0, KVEventBatch([AllBlocksCleared()]))
     assert router.replicas[0].cached == set()
     # A router that connects late (or reconnects) learns the whole cache from the snapshot, which replaces it.
     router.replicas[1].cached = {b"stale"}
     _deliver(router, 1, KVCacheSnapshot(h[:5]))
     assert router.replicas[1].cached == set(h[:5])
-    assert router._route(_request(SYSTEM + [1])).replica.index == 1
+    assert router.picker.route(_request(SYSTEM + [1])).replica.index == 1
 
 
 def test_a_session_sticks_to_its_replica_and_falls_back_when_it_cannot_serve():
@@ -148,7 +148,7 @@ def test_a_session_sticks_to_its_replica_and_falls_back_when_it_cannot_serve():
     assert _admit(router, [7] * 40, "alice") == (1, "affinity")
     router.replicas[1].load = 50  # overloaded against replica 0
     assert _admit(router, [8] * 40, "alice") == (0, "affinity_fallback")
-    assert router.decisions["affinity"] == 2 and router.decisions["affinity_fallback"] == 2
+    assert router.picker.decisions["affinity"] == 2 and router.picker.decisions["affinity_fallback"] == 2
 
 
 def test_policies_and_defaults():
@@ -178,4 +178,4 @@ def test_a_burst_of_one_tenant_follows_its_first_request_before_any_event():
     # An eviction the replica reports still takes the block out again.
     h = prompt_block_hashes(SYSTEM, BS, None)
     _deliver(router, 0, KVEventBatch([BlockRemoved(h[0])]))
-    assert router._route(_request(SYSTEM + [1])).num_cached_tokens == 0
+    assert router.picker.route(_request(SYSTEM + [1])).num_cached_tokens == 0

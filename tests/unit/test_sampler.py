@@ -5,8 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_extension, cpu_fused, torch_ref
-from pagedserve.worker.sampler import SamplingMetadata, apply_penalties, apply_token_bitmask, hashed_uniform, sample
+from pagedserve.kernels import torch_ref
+from pagedserve.kernels.cpu import extension as cpu_extension
+from pagedserve.kernels.cpu import fused as cpu_fused
+from pagedserve.tests.utils import cpu_backend
+from pagedserve.worker.sampler import SamplingMetadata, apply_penalties, hashed_uniform, sample
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # the sampler as a CPU worker runs it
 
 
 def _md(n: int, **kw) -> SamplingMetadata:
@@ -62,10 +67,10 @@ def test_penalties_match_hand_computation():
 def test_token_bitmask_bits_and_rows():
     """Bit t of int32 word t // 32 allows token t (llguidance's layout); unlisted rows are untouched; tokens past
     the mask's width are not allowed, bits past the vocabulary are ignored. The torch reference, the C++ kernel and
-    the sampler's choice between them all follow that definition, and none writes into its input."""
-    impls = [torch_ref.apply_token_bitmask, apply_token_bitmask]
+    the CPU backend's choice between them all follow that definition, and none writes into its input."""
+    impls = [torch_ref.apply_token_bitmask]
     if cpu_extension.available():
-        impls.append(cpu_fused.apply_token_bitmask)
+        impls += [cpu_fused.apply_token_bitmask, cpu_backend().apply_token_bitmask]
     vocab = 331
     rng = np.random.default_rng(0)
     for words in (10, 12):  # 320 bits < 331 < 384

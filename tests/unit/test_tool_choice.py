@@ -15,11 +15,11 @@ from pagedserve.cluster.server.openai.chat_protocol import ChatCompletionRequest
 from pagedserve.cluster.server.openai.chat_template import ChatTemplate, template_message
 from pagedserve.cluster.server.openai.errors import OpenAIError
 from pagedserve.cluster.server.openai.tool_calling import check_auto_options, plan_tools
-from pagedserve.cluster.server.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
-from pagedserve.cluster.server.openai.tool_parsers.hermes import HermesToolParser
-from pagedserve.config import default_model_dir
+from pagedserve.cluster.server.openai.tool_parsers import TOOL_PARSERS
+from pagedserve.cluster.server.openai.tool_parsers.forced import REQUIRED_CALLS, NamedToolParser
+from pagedserve.common.config import default_model_dir
+from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.engine.tokenizer import load_tokenizer
-from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.scheduler.structured_output import grammar_spec
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
@@ -53,7 +53,7 @@ def _accepts(tokenizer, schema: dict, text: str) -> bool:
 
 def test_required_is_a_list_of_calls_in_json_dumps_layout(demo_tokenizer):
     plan = plan_tools(_request(tools=TOOLS, tool_choice="required"), AUTO)
-    assert plan.new_parser is RequiredToolParser and plan.tools == TOOLS
+    assert plan.new_parser is REQUIRED_CALLS and plan.tools == TOOLS
     schema = plan.constraint.json
     assert schema["minItems"] == 1 and "maxItems" not in schema and schema["$defs"] == POINT["$defs"]
     good = [{"name": "move", "parameters": {"p": {"x": 1}}}, {"name": "stop", "parameters": {}}]
@@ -75,7 +75,7 @@ def test_named_function_is_its_parameters(demo_tokenizer):
 
 
 def test_auto_none_and_refusals():
-    assert plan_tools(_request(tools=TOOLS), AUTO).new_parser is HermesToolParser
+    assert plan_tools(_request(tools=TOOLS), AUTO).new_parser is TOOL_PARSERS["hermes"]
     plan = plan_tools(_request(tools=TOOLS, tool_choice="none"), ApiOptions())
     assert plan.tools == TOOLS and plan.constraint is None and plan.new_parser is None
     assert plan_tools(_request(), ApiOptions()).tools is None

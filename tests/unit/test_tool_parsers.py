@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pagedserve.cluster.server.openai.tool_parsers import TOOL_PARSER_NAMES, TOOL_PARSERS
-from pagedserve.cluster.server.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from pagedserve.cluster.server.openai.tool_parsers.forced import REQUIRED_CALLS, NamedToolParser
 from pagedserve.cluster.server.openai.tool_parsers.types import ContentDelta, ParsedOutput, ToolCallDelta, collect
 
 WEATHER = {"city": "Paris", "days": 3, "units": {"t": "C", "list": [1, "}]", {"a": None}]}}
@@ -51,7 +51,7 @@ NOT_CALLS = [
 
 def _parser(name: str, stream: bool):
     if name == "required":
-        return RequiredToolParser(stream=stream)
+        return REQUIRED_CALLS(stream=stream)
     if name == "named":
         return NamedToolParser("f", stream=stream)
     return TOOL_PARSERS[name](stream=stream)
@@ -75,6 +75,8 @@ def _random_pieces(text: str, rng: random.Random) -> list[str]:
 def test_registry_names():
     assert TOOL_PARSER_NAMES == ["hermes", "llama3_json", "mistral"]
     assert TOOL_PARSERS["mistral"].skip_special_tokens is False
+    assert {TOOL_PARSERS[name].finish_reason for name in TOOL_PARSER_NAMES} == {"tool_calls"}
+    assert REQUIRED_CALLS.finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("name,text,content,calls", VALID)

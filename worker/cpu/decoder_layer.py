@@ -1,12 +1,15 @@
-"""LLaMA-style decoder layers run as one C++ call each (``kernels/cpu_layer.py``), where every layer's linears
+"""LLaMA-style decoder layers run as one C++ call each (``kernels/cpu/layer.py``), where every layer's linears
 have panel-packed weights; the model calls :class:`CPUDecoderLayers` in place of its layer loop."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_int8, cpu_layer
-from pagedserve.worker.forward_context import get_attn_metadata
+from pagedserve.kernels.cpu import gemm as cpu_gemm
+from pagedserve.kernels.cpu import gemm_bf16 as cpu_gemm_bf16
+from pagedserve.kernels.cpu import gemm_int8 as cpu_gemm_int8
+from pagedserve.kernels.cpu import layer as cpu_layer
+from pagedserve.worker.forward_context import current_backend, get_attn_metadata
 from pagedserve.worker.layers.activation import SiluAndMul
 from pagedserve.worker.layers.layernorm import RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
@@ -73,17 +76,17 @@ class CPUDecoderLayers:
         return cls(layers, weights) if weights and all(weights) else None
 
     def supports(self, x: torch.Tensor) -> bool:
-        """Whether this step can run here: the C++ attention backend, a KV cache of the activations' dtype or fp8."""
-        return cpu_layer.supported(get_attn_metadata(), self.layers[0].self_attn.attn.k_cache, x)
+        """Whether this step can run here: a KV cache of the activations' dtype or fp8."""
+        return cpu_layer.supported(self.layers[0].self_attn.attn.k_cache, x)
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All layers on the embeddings ``x``; returns (hidden states, residual) for the final norm."""
-        md = get_attn_metadata()
+        md, backend = get_attn_metadata(), current_backend()
         positions = positions.long().contiguous()
         residual = None
         for layer, weights in zip(self.layers, self.weights):
             attn = layer.self_attn.attn
-            x, residual = cpu_layer.llama_layer(weights, x, residual, positions, attn.k_cache, attn.v_cache, md,
+            x, residual = backend.llama_layer(weights, x, residual, positions, attn.k_cache, attn.v_cache, md,
                                                 attn.k_scale, attn.v_scale)
         return x, residual
 

@@ -1,11 +1,11 @@
 """Every linear weight of a CPU model reordered once, after loading, into the layout its GEMM reads
-(``packed_linear.py`` runs them).
+(the kernel backend's ``linear`` runs them).
 
 ``F.linear`` (MKL sgemm) repacks the weight on every call; at decode batch sizes that repacking is a large share of
-the call. fp32 weights go into 16-column panels for ``kernels/cpu_gemm.py`` on AVX2 CPUs and on AVX-512 ones without
+the call. fp32 weights go into 16-column panels for ``kernels/cpu/gemm.py`` on AVX2 CPUs and on AVX-512 ones without
 bf16 instructions (:func:`panel_gemm_preferred`); bf16 weights into k-pair panels for
-``kernels/cpu_gemm_bf16.py`` on CPUs with AVX512-BF16; int8 weights (``quantization="int8"``) into int8 panels
-for ``kernels/cpu_gemm_int8.py``; elsewhere oneDNN's blocked layout (int8 ones: the torch reference). The packed
+``kernels/cpu/gemm_bf16.py`` on CPUs with AVX512-BF16; int8 weights (``quantization="int8"``) into int8 panels
+for ``kernels/cpu/gemm_int8.py``; elsewhere oneDNN's blocked layout (int8 ones: the torch reference). The packed
 weight replaces the plain one (same memory), except where the weight is shared (a tied LM head): that one is kept
 for the other users and packed as a copy.
 """
@@ -17,7 +17,9 @@ import math
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_gemm, cpu_gemm_bf16, cpu_gemm_int8
+from pagedserve.kernels.cpu import gemm as cpu_gemm
+from pagedserve.kernels.cpu import gemm_bf16 as cpu_gemm_bf16
+from pagedserve.kernels.cpu import gemm_int8 as cpu_gemm_int8
 from pagedserve.worker.cpu.cpuinfo import cpu_flags
 from pagedserve.worker.cpu.hugepages import empty_huge_pages
 

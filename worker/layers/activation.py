@@ -4,15 +4,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import cpu_fused
+from pagedserve.worker.forward_context import current_backend
 
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_fused.silu_and_mul_supported(x):  # one C++ pass, no gate/up temporaries
-            return cpu_fused.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return current_backend().silu_and_mul(x)
 
 
 _ACTIVATIONS = {

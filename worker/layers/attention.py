@@ -1,10 +1,10 @@
-"""Attention over the paged KV cache; the op backend comes from the forward context."""
+"""Attention over the paged KV cache; the kernel backend and the step's metadata come from the forward context."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pagedserve.worker.forward_context import get_attn_metadata
+from pagedserve.worker.forward_context import current_backend, get_attn_metadata
 
 
 def layer_sliding_window(hf_config, layer_idx: int) -> int | None:
@@ -45,13 +45,12 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        md = get_attn_metadata()
+        md, backend = get_attn_metadata(), current_backend()
         q = q.reshape(-1, self.num_heads, self.head_size)
         k = k.reshape(-1, self.num_kv_heads, self.head_size)
         v = v.reshape(-1, self.num_kv_heads, self.head_size)
-        md.backend.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale)
-        out = md.backend.paged_attention(q, self.k_cache, self.v_cache, md.block_tables,
-                                         md.query_start_loc, md.seq_lens, self.scale,
-                                         sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
-                                         k_scale=self.k_scale, v_scale=self.v_scale)
+        backend.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale)
+        out = backend.paged_attention(q, self.k_cache, self.v_cache, md.block_tables, md.query_start_loc, md.seq_lens,
+                                      self.scale, sliding_window=self.sliding_window,
+                                      logits_soft_cap=self.logits_soft_cap, k_scale=self.k_scale, v_scale=self.v_scale)
         return out.reshape(-1, self.num_heads * self.head_size)

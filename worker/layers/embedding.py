@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import cpu_fused
-from pagedserve.worker.cpu import REUSED_OUT_ROWS, linear
+from pagedserve.kernels.backend import REUSED_OUT_ROWS
+from pagedserve.worker.forward_context import current_backend
 from pagedserve.worker.models.weights import as_lazy
 from pagedserve.worker.parallel_state import LastDimGather, all_reduce, get_tp_rank, get_tp_size
 
@@ -14,9 +13,7 @@ from pagedserve.worker.parallel_state import LastDimGather, all_reduce, get_tp_r
 def take_rows(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """src[ids] (an embedding lookup, the LM head's rows): on CPU by the kernels' own gather, since torch's is an
     OpenMP region, which waits for a core another process holds (csrc/pool.cpp)."""
-    if cpu_fused.gather_rows_supported(src, ids):
-        return cpu_fused.gather_rows(src, ids)
-    return F.embedding(ids, src)
+    return current_backend().gather_rows(src, ids)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -68,5 +65,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         in the model dtype; the sampler works on fp32 either way. They are used up before the next call (the model
         runner samples from them, or takes prompt logprobs), so the panel GEMMs, and the gather across TP ranks,
         write into kept buffers."""
-        logits = linear(self, hidden_states, self.bias, out_dtype=torch.float32, reuse_out=True)
+        logits = current_backend().linear(self, hidden_states, self.bias, out_dtype=torch.float32, reuse_out=True)
         return self.gather(logits)[..., : self.num_embeddings]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.worker.cpu import linear
+from pagedserve.worker.forward_context import current_backend
 from pagedserve.worker.models.weights import as_lazy
 from pagedserve.worker.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 
@@ -43,7 +43,7 @@ class ReplicatedLinear(nn.Module):
         _copy(param.data, as_lazy(loaded_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self, x, self.bias)
+        return current_backend().linear(self, x, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -62,7 +62,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data, as_lazy(loaded_weight).narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(self, x, self.bias)
+        y = current_backend().linear(self, x, self.bias)
         return all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -133,7 +133,7 @@ class RowParallelLinear(nn.Module):
         _copy(param.data, as_lazy(loaded_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(self, x, None)
+        y = current_backend().linear(self, x, None)
         if self.reduce_results:
             y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

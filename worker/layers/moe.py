@@ -6,9 +6,10 @@ all-reduce, so each rank runs its experts on the tokens routed to them and the p
 one all-reduce of [tokens, hidden] per MoE layer: the same traffic as a row-parallel linear. An all-to-all
 dispatch would only pay once tokens are sharded across ranks (data-parallel attention), which they are not here.
 
-On CPU the (token, expert) pairs are sorted by expert, each local expert runs one GEMM on its contiguous slice, and
-the weighted results are put back in token order and summed over the k choices: one Python iteration per local
-expert, none per token.
+The kernel backend runs the experts (``moe_experts``): on CPU with fp32 experts, one C++ call per layer on weights
+packed at load (``kernels/cpu/moe.py``); otherwise ``run_experts`` here, where the (token, expert) pairs are sorted
+by expert, each local expert runs one GEMM on its contiguous slice, and the weighted results are put back in token
+order and summed over the k choices: one Python iteration per local expert, none per token.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedserve.worker.forward_context import current_backend
 from pagedserve.worker.layers.activation import SiluAndMul
 from pagedserve.worker.layers.linear import ReplicatedLinear
 from pagedserve.worker.parallel_state import all_reduce, get_tp_rank, get_tp_size
@@ -87,7 +89,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = select_experts(self.gate(x), self.top_k, self.renormalize)
         weights = routing.weights.to(x.dtype).float() if self.round_weights else routing.weights
-        return all_reduce(self.run_experts(x, routing.experts, weights))
+        return all_reduce(current_backend().moe_experts(self, x, routing.experts, weights))
 
     def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """This rank's share: sum over local experts e of ``weight[t, e] * expert_e(x[t])`` for the tokens t routed

@@ -3,7 +3,7 @@ the LM head's included, becomes int8 ``[N, K]`` with fp32 per-output-channel sca
 (``torch_ref.quantize_int8``), replacing the full-precision weight. A LM head tied to the input embedding gets an
 int8 weight of its own: the embedding keeps the full-precision rows it looks up. What stays unquantized: embeddings,
 norms, and MoE routers (a tiny matrix whose rounding would move tokens between experts); MoE experts are quantized
-like any linear. ``worker.cpu.linear`` runs the layers (the int8 panel GEMM on CPU, the torch reference
+like any linear. The kernel backend's ``linear`` runs the layers (the int8 panel GEMM on CPU, the torch reference
 elsewhere)."""
 from __future__ import annotations
 

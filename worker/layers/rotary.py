@@ -6,8 +6,7 @@ import math
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_fused
-from pagedserve.worker.forward_context import get_attn_metadata
+from pagedserve.worker.forward_context import current_backend, get_attn_metadata
 
 
 def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -44,22 +43,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, head_size]; cos/sin: [T, 1, rotary_dim / 2]
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
-        x1, x2 = rot.chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D]; on CPU (fp32, bf16) rotated in place by one C++ pass and returned."""
+        """q [T, Hq, D], k [T, Hkv, D], rotated (the backend's kernel may do it in place)."""
         positions = positions.long().contiguous()
-        if cpu_fused.rotary_supported(positions, q, k, self.cos, self.sin, self.rotary_dim):
-            cpu_fused.rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)
-            return q, k
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return current_backend().rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)
 
 
 class LongRopeRotaryEmbedding(RotaryEmbedding):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.common.config import AttentionShape
 from pagedserve.worker.layers.activation import GeluAndMul
 from pagedserve.worker.layers.attention import Attention, layer_sliding_window
 from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -20,9 +21,8 @@ _TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 class GemmaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, qk_norm: bool) -> None:
         super().__init__()
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        shape = AttentionShape.of(config)
+        heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_size
         bias = bool(getattr(config, "attention_bias", False))
         layer_types = getattr(config, "layer_types", None)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=bias)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.common.config import AttentionShape
 from pagedserve.worker.layers.activation import SiluAndMul
 from pagedserve.worker.layers.attention import Attention, layer_sliding_window
 from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -16,9 +17,8 @@ from pagedserve.worker.models.utils import load_params
 class LlamaAttention(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, layer_idx: int) -> None:
         super().__init__()
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        shape = AttentionShape.of(config)
+        heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_size
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=o_bias)
         self.rotary_emb = rope_from_config(config, head_dim)

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagedserve.config import ModelConfig
+from pagedserve.common.config import ModelConfig
 from pagedserve.worker.layers.quantization import quantize_linears
 from pagedserve.worker.models.registry import get_model_class
 from pagedserve.worker.models.weights import LazyWeight

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from pagedserve.common.config import AttentionShape
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.weights import as_lazy
 
@@ -10,9 +11,8 @@ from pagedserve.worker.models.weights import as_lazy
 class Phi3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config) -> None:
         super().__init__(config)
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        shape = AttentionShape.of(config)
+        heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_size
         self.qkv_sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         self.gate_up_sizes = [config.intermediate_size] * 2
 

@@ -1,39 +1,35 @@
-"""API-key authentication for the gRPC server, and which of the keys a call presents (an Abort only reaches the
-requests made with the same key)."""
+"""API-key authentication for the gRPC server, and which of the keys a call presents (the tenant it names; an Abort
+only reaches the requests made with the same key)."""
 from __future__ import annotations
-
-import hmac
 
 import grpc
 
-from pagedserve.cluster.server.api_options import api_keys
+from pagedserve.cluster.server.api_keys import KeyTable
 from pagedserve.cluster.server.metrics import GatewayMetrics
 
+BEARER = "Bearer "
 
-class ApiKeys:
-    """The configured keys (``api_key``: one, or a comma-separated list, see ``api_keys``); none: no key needed."""
 
-    def __init__(self, api_key: str | None) -> None:
-        self.expected = [(f"Bearer {k}".encode(), k.encode()) for k in api_keys(api_key)]
+def metadata_value(metadata, key: str) -> str | None:
+    """The first text value of ``key`` in a call's metadata (keys arrive lowercased), None if absent."""
+    for k, v in metadata or ():
+        if k == key and isinstance(v, str):
+            return v
+    return None
 
-    def __bool__(self) -> bool:
-        return bool(self.expected)
 
-    def caller(self, metadata) -> int | None:
-        """The index of the key that ``metadata`` presents (``authorization: Bearer KEY`` or ``x-api-key: KEY``),
-        None if none. Every key is compared, whichever matches."""
-        md = {k: v for k, v in metadata or () if isinstance(v, str)}
-        given = [md.get("authorization", "").encode(), md.get("x-api-key", "").encode()]
-        matches = [any([bool(g) and hmac.compare_digest(g, e) for g, e in zip(given, pair)])
-                   for pair in self.expected]
-        return matches.index(True) if True in matches else None
+def caller(keys: KeyTable, metadata) -> int | None:
+    """The index of the key that ``metadata`` presents (``authorization: Bearer KEY`` or ``x-api-key: KEY``), None
+    if none. Every key is compared, whichever matches."""
+    auth = metadata_value(metadata, "authorization") or ""
+    return keys.match(auth[len(BEARER):] if auth.startswith(BEARER) else None, metadata_value(metadata, "x-api-key"))
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Requires one of the keys on every call but health checks, which load balancers and Kubernetes probes make
     without credentials."""
 
-    def __init__(self, keys: ApiKeys, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, keys: KeyTable, metrics: GatewayMetrics | None = None) -> None:
         self.keys = keys
         self.metrics = metrics
 
@@ -41,7 +37,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
             return handler
-        if self.keys.caller(details.invocation_metadata) is not None:
+        if caller(self.keys, details.invocation_metadata) is not None:
             return handler
         if self.metrics is not None and details.method.endswith("/Generate"):
             self.metrics.request("grpc").error("UNAUTHENTICATED")

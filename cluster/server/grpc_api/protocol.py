@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.errors import InvalidRequestError
-from pagedserve.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+from pagedserve.common.errors import InvalidRequestError
+from pagedserve.common.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+from pagedserve.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from pagedserve.proto.fields import (
     EARLY_STOPPING_VALUES,
     FINISH_REASONS,
@@ -14,7 +15,6 @@ from pagedserve.proto.fields import (
     REPEATED_SAMPLING_FIELDS,
 )
 from pagedserve.proto.v1 import generation_pb2 as pb
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 @dataclass

@@ -7,7 +7,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from pagedserve.cluster.server.grpc_api.auth import ApiKeyInterceptor, ApiKeys
+from pagedserve.cluster.server.grpc_api.auth import ApiKeyInterceptor
 from pagedserve.cluster.server.grpc_api.errors import InternalErrorInterceptor
 from pagedserve.cluster.server.grpc_api.parsing import ParseErrorInterceptor
 from pagedserve.cluster.server.grpc_api.servicer import GenerationServicer
@@ -44,17 +44,16 @@ def server_options(max_concurrent_requests: int) -> list[tuple[str, int]]:
 
 
 class GrpcServer:
-    def __init__(self, state: ServingState, host: str, port: int, api_key: str | None = None,
-                 ssl_certfile: str | None = None, ssl_keyfile: str | None = None, reuse_port: bool = False) -> None:
-        """``reuse_port``: SO_REUSEPORT, so that several gateway processes share the port (the kernel spreads new
-        connections over them)."""
-        keys = ApiKeys(api_key)
-        interceptors = [ApiKeyInterceptor(keys, state.metrics)] if keys else []
+    def __init__(self, state: ServingState, host: str, port: int, ssl_certfile: str | None = None,
+                 ssl_keyfile: str | None = None, reuse_port: bool = False) -> None:
+        """The API keys are the state's. ``reuse_port``: SO_REUSEPORT, so that several gateway processes share the
+        port (the kernel spreads new connections over them)."""
+        interceptors = [ApiKeyInterceptor(state.keys, state.metrics)] if state.keys else []
         interceptors += [ParseErrorInterceptor(), InternalErrorInterceptor()]
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(state.max_concurrent_requests)
                                       + ([("grpc.so_reuseport", 1)] if reuse_port else []),
                                       maximum_concurrent_rpcs=state.max_concurrent_requests + HEADROOM_RPCS)
-        self.servicer = GenerationServicer(state, keys)
+        self.servicer = GenerationServicer(state)
         pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -7,13 +7,15 @@ from contextlib import aclosing
 
 import grpc
 
-from pagedserve.cluster.server.grpc_api.auth import ApiKeys
+from pagedserve.cluster.server.grpc_api.auth import caller, metadata_value
 from pagedserve.cluster.server.grpc_api.protocol import ResponseBuilder, params_from_proto
 from pagedserve.cluster.server.internal_errors import report
 from pagedserve.cluster.server.metrics import RequestTimer
 from pagedserve.cluster.server.request_ids import server_request_id
-from pagedserve.cluster.server.state import ServingState
-from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
+from pagedserve.cluster.server.state import RETRY_AFTER_S, ServingState
+from pagedserve.cluster.server.tenants import TenantTicket
+from pagedserve.common.config import utf8_size_over
+from pagedserve.common.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from pagedserve.proto.fields import FINISH_NAMES
 from pagedserve.proto.v1 import generation_pb2 as pb
 from pagedserve.proto.v1 import generation_pb2_grpc as pb_grpc
@@ -31,21 +33,25 @@ def _session_id(context: grpc.aio.ServicerContext) -> str | None:
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, state: ServingState, keys: ApiKeys = ApiKeys(None)) -> None:
-        """``keys``: with several, an Abort reaches only the requests made with the key it presents."""
+    def __init__(self, state: ServingState) -> None:
+        """With several API keys (the state's), an Abort reaches only the requests made with the key it presents."""
         self.state = state
-        self.keys = keys
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         timer = self.state.metrics.request("grpc")
         admitted = finished = False
         code = None
         try:
-            # aclosing: a cancelled call closes the engine stream at once, which aborts the request and frees its
-            # blocks, rather than whenever the abandoned generators are collected.
-            with self.state.request_slot():
-                owner = self.keys.caller(context.invocation_metadata())
-                async with aclosing(self._generate(request, timer, _session_id(context), owner)) as responses:
+            metadata = context.invocation_metadata()
+            owner = caller(self.state.keys, metadata)
+            header = self.state.tenants.header
+            tenant = self.state.tenant_of(owner, metadata_value(metadata, header) if header else None)
+            # The tenant's limits, then the server's, before anything is parsed or tokenized. aclosing: a cancelled
+            # call closes the engine stream at once, which aborts the request and frees its blocks, rather than
+            # whenever the abandoned generators are collected.
+            with self.state.tenants.admit(tenant) as ticket, self.state.request_slot():
+                timer.tenant(ticket.label)
+                async with aclosing(self._generate(request, timer, _session_id(context), owner, ticket)) as responses:
                     async for resp in responses:
                         admitted = True
                         finished = resp.finished
@@ -55,7 +61,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await context.abort(code, str(e))
         except OverloadedError as e:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            await context.abort(code, str(e))
+            await context.abort(code, str(e), trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
         except EngineUnavailableError as e:
             code = grpc.StatusCode.UNAVAILABLE
             await context.abort(code, str(e))
@@ -69,12 +75,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 timer.finished("error" if code is not None else "abort")
 
     async def _generate(self, request: pb.GenerateRequest, timer: RequestTimer, session_id: str | None,
-                        owner: int | None):
+                        owner: int | None, ticket: TenantTicket):
         engine = self.state.ready_engine()
         parsed = params_from_proto(request)
         rid = server_request_id(request.request_id)
         prompt = parsed.prompt if parsed.prompt_token_ids is None else parsed.prompt_token_ids
-        text, core_request = await engine.process(rid, prompt, parsed.params, request.cache_salt or None)
+        text, core_request = await engine.process(rid, prompt, parsed.params, request.cache_salt or None,
+                                                  request.priority, ticket.tenant)
         num_prompt_tokens = len(core_request.prompt_token_ids)
         lp = getattr(parsed.params, "logprobs", None) or 0
         plp = getattr(parsed.params, "prompt_logprobs", None) or 0
@@ -83,7 +90,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         admitted = False
         self.state.owners.add(rid, owner)
         try:
-            async with aclosing(engine.generate(text, core_request, parsed.stream, session_id)) as outputs:
+            async with aclosing(engine.generate(text, core_request, parsed.stream, session_id,
+                                                ticket.started)) as outputs:
                 async for out in outputs:
                     if not admitted:
                         admitted = True
@@ -99,7 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         tokenizer, text, limit = self.state.tokenizer, request.text, self.state.max_prompt_bytes
-        if len(text) * 4 > limit and len(text.encode("utf-8", "surrogatepass")) > limit:
+        if utf8_size_over(text, limit) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"text exceeds {limit} bytes (max_prompt_bytes)")
 
         def run() -> pb.TokenizeResponse:
@@ -147,7 +155,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         """``request_id``: the server's id (the responses'). With API keys, a request made with another key is not
         found, exactly as an unknown id."""
         engine, rid = self.state.engine, request.request_id
-        if self.keys and not self.state.owners.owned_by(rid, self.keys.caller(context.invocation_metadata())):
+        keys = self.state.keys
+        if keys and not self.state.owners.owned_by(rid, caller(keys, context.invocation_metadata())):
             return pb.AbortResponse(found=False)
         found = engine is not None and await engine.abort(rid)
         return pb.AbortResponse(found=found)

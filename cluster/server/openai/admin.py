@@ -13,9 +13,9 @@ from pydantic import BaseModel, Field
 from pagedserve.cluster.server.openai.errors import OpenAIError
 from pagedserve.cluster.server.openai.protocol import RequestModel, error_statuses
 from pagedserve.cluster.server.state import ServingState
+from pagedserve.common.errors import EngineUnavailableError, InvalidRequestError
 from pagedserve.engine.core_types import ScaleResult
 from pagedserve.engine.protocol import ReplicaScaler
-from pagedserve.errors import EngineUnavailableError, InvalidRequestError
 
 
 class ScaleRequest(RequestModel):

@@ -3,8 +3,7 @@ included: 400, not FastAPI's 422)."""
 from __future__ import annotations
 
 import asyncio
-import hmac
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,14 +13,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from pagedserve import __version__
-from pagedserve.cluster.server.api_options import ApiOptions, api_keys
+from pagedserve.cluster.server.api_options import ApiOptions
 from pagedserve.cluster.server.openai.admin import add_admin_routes
 from pagedserve.cluster.server.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedserve.cluster.server.openai.chat_template import ChatTemplate
 from pagedserve.cluster.server.openai.completion_protocol import CompletionRequest, CompletionResponse
 from pagedserve.cluster.server.openai.errors import OpenAIError, from_exception
 from pagedserve.cluster.server.openai.generation import (
-    REQUEST_OWNER,
+    REQUEST_CALLER,
+    Caller,
     ClientDisconnected,
     served_model,
     until_disconnect,
@@ -44,8 +44,9 @@ from pagedserve.cluster.server.openai.serving_completions import FIELDS as COMPL
 from pagedserve.cluster.server.openai.serving_completions import CompletionServing
 from pagedserve.cluster.server.openai.unknown_fields import UnknownFields
 from pagedserve.cluster.server.state import ServingState
+from pagedserve.common.config import utf8_size_over
+from pagedserve.common.errors import EngineUnavailableError
 from pagedserve.engine.protocol import EngineClient
-from pagedserve.errors import EngineUnavailableError
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 INLINE_TOKENIZE_CHARS = 16_384
@@ -77,18 +78,23 @@ def _ready(state: ServingState) -> EngineClient:
         raise OpenAIError(503, str(e)) from None
 
 
-async def _generation(request: Request, aw: Awaitable[Response], fields: set[str]) -> Response:
-    REQUEST_OWNER.set(getattr(request.state, "api_key_index", None))  # before until_disconnect's task copies it
+async def _generation(state: ServingState, request: Request, create: Callable[[], Awaitable[Response]],
+                      fields: set[str]) -> Response:
+    """``create()``: the route's work, with the caller (API key and tenant) in its context."""
     try:
-        return await until_disconnect(request.receive, aw)
+        key = getattr(request.state, "api_key_index", None)
+        header = state.tenants.header
+        # Set before until_disconnect's task copies the context.
+        REQUEST_CALLER.set(Caller(key, state.tenant_of(key, request.headers.get(header) if header else None)))
+        return await until_disconnect(request.receive, create())
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
     except Exception as e:
         raise from_exception(e, fields) from None
 
 
-def build_app(state: ServingState, api_key: str | None = None, chat_template: str | None = None,
-              options: ApiOptions = ApiOptions()) -> FastAPI:
+def build_app(state: ServingState, chat_template: str | None = None, options: ApiOptions = ApiOptions()) -> FastAPI:
+    """Requires one of the state's API keys, if it has any."""
     docs = {} if not options.disable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="pagedserve", version=__version__,
                   description="OpenAI-compatible API of a pagedserve gateway (the gRPC API's twin).", **docs)
@@ -97,19 +103,17 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
     chat = ChatServing(state, ChatTemplate(state.tokenizer, chat_template))
     unknown = UnknownFields(options.strict_request_fields)
     deps = []
-    auth = (401,) if api_key else ()
-    if api_key:
-        bearer = HTTPBearer(auto_error=False, description="--api-key")
-        expected = [k.encode() for k in api_keys(api_key)]
+    auth = (401,) if state.keys else ()
+    if state.keys:
+        bearer = HTTPBearer(auto_error=False, description="--api-key, or a tenant's key")
 
         async def require_api_key(request: Request,
                                   creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-            given = creds.credentials.encode() if creds is not None else None
-            matches = [given is not None and hmac.compare_digest(given, key) for key in expected]  # each compared
-            if True not in matches:
+            index = state.keys.match(creds.credentials if creds is not None else None)
+            if index is None:
                 raise OpenAIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")
-            request.state.api_key_index = matches.index(True)  # whose requests it may abort
+            request.state.api_key_index = index  # its tenant, and whose requests it may abort
 
         deps = [Depends(require_api_key)]
 
@@ -137,7 +141,8 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
               responses={200: {"content": _EVENT_STREAM}, **generation_errors})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         ignored = unknown.check(body)
-        response = await _generation(request, completions.create(body, request.headers.get("x-session-id")),
+        response = await _generation(state, request,
+                                     lambda: completions.create(body, request.headers.get("x-session-id")),
                                      COMPLETION_FIELDS)
         response.headers.update(ignored)
         return response
@@ -146,7 +151,8 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
               responses={200: {"content": _EVENT_STREAM}, **generation_errors})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         ignored = unknown.check(body)
-        response = await _generation(request, chat.create(body, request.headers.get("x-session-id")), CHAT_FIELDS)
+        response = await _generation(state, request, lambda: chat.create(body, request.headers.get("x-session-id")),
+                                     CHAT_FIELDS)
         response.headers.update(ignored)
         return response
 
@@ -180,7 +186,7 @@ def build_app(state: ServingState, api_key: str | None = None, chat_template: st
         engine = _ready(state)
         served_model(state, body.model)
         limit = engine.info.limits.max_prompt_bytes
-        if len(body.prompt) * 4 > limit and len(body.prompt.encode("utf-8", "surrogatepass")) > limit:
+        if utf8_size_over(body.prompt, limit) is not None:
             raise OpenAIError(400, f"prompt exceeds {limit} bytes (max_prompt_bytes)", "prompt")
         tok = state.tokenizer
 

@@ -8,9 +8,9 @@ from fastapi.responses import JSONResponse
 
 from pagedserve.cluster.server.internal_errors import report
 from pagedserve.cluster.server.openai.protocol import ErrorInfo, ErrorResponse
-from pagedserve.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
+from pagedserve.cluster.server.state import RETRY_AFTER_S
+from pagedserve.common.errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 
-RETRY_AFTER_S = 1
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                500: "server_error", 503: "service_unavailable_error"}

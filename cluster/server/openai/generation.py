@@ -1,6 +1,6 @@
-"""What both generation routes share: one HTTP request's admission slot, its request timer, its engine requests
-(one per prompt, each owned by the request's API key) merged into one stream of outputs, and the client's
-disconnect, which aborts them all."""
+"""What both generation routes share: one HTTP request's place among its tenant's and its admission slot, its
+request timer, its engine requests (one per prompt, each owned by the request's API key) merged into one stream of
+outputs, and the client's disconnect, which aborts them all."""
 from __future__ import annotations
 
 import asyncio
@@ -15,20 +15,31 @@ from starlette.types import Receive
 from pagedserve.cluster.server.openai.errors import OpenAIError, model_not_found
 from pagedserve.cluster.server.request_ids import server_request_id
 from pagedserve.cluster.server.state import ServingState
-from pagedserve.engine.core_types import EngineCoreRequest
+from pagedserve.common.outputs import BeamSearchOutput, RequestOutput
+from pagedserve.common.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.engine.core_types import DEFAULT_TENANT, EngineCoreRequest
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.protocol import EngineClient
-from pagedserve.outputs import BeamSearchOutput, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 T = TypeVar("T")
 Output = RequestOutput | BeamSearchOutput
 # How long a stream's status line waits for the engine to take the request: a full waiting queue gets its 429 well
 # within this (one Ray call); a request queued behind others then streams on, headers first.
 ADMISSION_WAIT_S = 0.5
-# The index of the API key the HTTP request presented (None without keys): set by the route before the generation
-# task starts (the task copies it), read by GenerationRun, so the serving modules need not pass it along.
-REQUEST_OWNER: ContextVar[int | None] = ContextVar("pagedserve_request_owner", default=None)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who made an HTTP generation request."""
+
+    key: int | None = None  # the index of the API key it presented (None without keys): whose requests it may abort
+    tenant: str = DEFAULT_TENANT.name
+
+
+ANONYMOUS = Caller()
+# Set by the route before the generation task starts (the task copies it), read by GenerationRun, so the serving
+# modules need not pass it along.
+REQUEST_CALLER: ContextVar[Caller] = ContextVar("pagedserve_request_caller", default=ANONYMOUS)
 
 
 class ClientDisconnected(Exception):
@@ -136,12 +147,17 @@ async def _merge(streams: list[AsyncIterator[Output]]) -> AsyncGenerator[tuple[i
 
 
 class GenerationRun:
-    """One HTTP generation request. ``close()`` (always called, once) aborts what still runs, releases the
-    admission slot and ends the request's metrics: finished, or "abort" (client gone) / "error"."""
+    """One HTTP generation request. Made first, it takes a place among its tenant's requests (OverloadedError at the
+    tenant's limit: nothing taken, nothing to close). ``close()`` (always called, once, from then on) aborts what
+    still runs, releases the admission slot and the tenant's place and ends the request's metrics: finished, or
+    "abort" (client gone) / "error"."""
 
     def __init__(self, state: ServingState) -> None:
+        caller = REQUEST_CALLER.get()
+        self.ticket = state.tenants.admit(caller.tenant)
         self.state = state
         self.timer = state.metrics.request("http")
+        self.timer.tenant(self.ticket.label)
         self.prompts: list[EnginePrompt] = []
         self.admitted = False
         self.finished = False
@@ -150,7 +166,7 @@ class GenerationRun:
         self._outputs: AsyncGenerator[tuple[int, Output], None] | None = None
         self._first: asyncio.Future | None = None
         self._closed = False
-        self.owner = REQUEST_OWNER.get()
+        self.owner = caller.key
         self.session_id: str | None = None  # the x-session-id header or the ``user`` field: routing affinity
 
     def admit(self, num_prompts: int, params: SamplingParams | BeamSearchParams) -> None:
@@ -160,8 +176,8 @@ class GenerationRun:
         self._slot.enter_context(self.state.request_slot(num_prompts * per_prompt))
 
     async def add(self, engine: EngineClient, request_id: str, prompt: PromptType,
-                  params: SamplingParams | BeamSearchParams, cache_salt: str | None) -> EnginePrompt:
-        text, request = await engine.process(request_id, prompt, params, cache_salt)
+                  params: SamplingParams | BeamSearchParams, cache_salt: str | None, priority: int = 0) -> EnginePrompt:
+        text, request = await engine.process(request_id, prompt, params, cache_salt, priority, self.ticket.tenant)
         self.prompts.append(EnginePrompt(request_id, text, request))
         self.state.owners.add(request_id, self.owner)  # released by close()
         return self.prompts[-1]
@@ -171,7 +187,8 @@ class GenerationRun:
         return self._outputs
 
     async def _run(self, engine: EngineClient, stream: bool) -> AsyncGenerator[tuple[int, Output], None]:
-        streams = [engine.generate(p.text, p.request, stream, self.session_id) for p in self.prompts]
+        streams = [engine.generate(p.text, p.request, stream, self.session_id, self.ticket.started)
+                   for p in self.prompts]
         lens = [len(p.token_ids) for p in self.prompts]
         remaining, reason = len(streams), None
         async with aclosing(_merge(streams)) as merged:
@@ -217,6 +234,7 @@ class GenerationRun:
                 await self._outputs.aclose()
         finally:
             self._slot.close()
+            self.ticket.release()
             for p in self.prompts:
                 self.state.owners.discard(p.request_id)
             if self.admitted and not self.finished:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pagedserve.cluster.server.openai.chat_protocol import ChatLogprob, ChatLogprobContent
 from pagedserve.cluster.server.openai.completion_protocol import CompletionLogProbs
 from pagedserve.cluster.server.openai.protocol import LogprobEntry
-from pagedserve.outputs import Logprob
+from pagedserve.common.outputs import Logprob
 
 FLOOR = -9999.0  # JSON has no -inf: a token with zero probability gets this (as in vLLM)
 

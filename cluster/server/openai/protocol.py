@@ -133,6 +133,9 @@ class SamplingRequest(RequestModel):
     length_penalty: float = 1.0
     cache_salt: str | None = Field(None, description="Prefix-cache isolation: only requests with the same salt "
                                                      "share cached prompt blocks.")
+    priority: int = Field(0, ge=-INT32 - 1, le=INT32, description=(
+        "Lower runs first under the server's --scheduling-policy priority (vLLM's); anything but 0 is a 400 under the "
+        "default fcfs policy."))
     request_id: str | None = Field(None, description="Names the request (at most 256 printable characters): the "
                                                       "server appends -<random hex>; the response's id has it.")
     return_token_ids: bool = Field(False, description="Add each choice's token ids and the prompt's.")

@@ -6,7 +6,7 @@ import re
 
 from pagedserve.cluster.server.openai.errors import OpenAIError
 from pagedserve.cluster.server.openai.protocol import SamplingRequest
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from pagedserve.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 _FIRST_WORD = re.compile(r"\w+")
 

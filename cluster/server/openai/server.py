@@ -33,15 +33,14 @@ def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
 
 
 class HttpServer:
-    def __init__(self, state: ServingState, host: str, port: int, api_key: str | None = None,
-                 ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
-                 chat_template: str | None = None, reuse_port: bool = False, gateway_id: str | None = None,
-                 options: ApiOptions = ApiOptions()) -> None:
-        """``reuse_port``: see ``GrpcServer``; ``gateway_id``: sent in every response's x-pagedserve-gateway header
-        (which of several gateway processes answered)."""
+    def __init__(self, state: ServingState, host: str, port: int, ssl_certfile: str | None = None,
+                 ssl_keyfile: str | None = None, chat_template: str | None = None, reuse_port: bool = False,
+                 gateway_id: str | None = None, options: ApiOptions = ApiOptions()) -> None:
+        """The API keys are the state's. ``reuse_port``: see ``GrpcServer``; ``gateway_id``: sent in every response's
+        x-pagedserve-gateway header (which of several gateway processes answered)."""
         if bool(ssl_certfile) != bool(ssl_keyfile):
             raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
-        self.app = build_app(state, api_key, load_chat_template(chat_template), options)
+        self.app = build_app(state, load_chat_template(chat_template), options)
         if gateway_id is not None:
             self.app = _tag_responses(self.app, gateway_id.encode())
         # lifespan off: the gateway owns start-up and shutdown. No access log: a line per request costs the event

@@ -45,9 +45,10 @@ from pagedserve.cluster.server.openai.tool_calling import (
 from pagedserve.cluster.server.openai.tool_parsers import ToolParser
 from pagedserve.cluster.server.openai.tool_parsers.types import ToolCallDelta
 from pagedserve.cluster.server.state import ServingState
-from pagedserve.errors import InvalidRequestError
-from pagedserve.outputs import BeamSearchOutput, CompletionOutput, Logprob
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.config import utf8_size_over
+from pagedserve.common.errors import InvalidRequestError
+from pagedserve.common.outputs import BeamSearchOutput, CompletionOutput, Logprob
+from pagedserve.common.sampling_params import SamplingParams
 
 FIELDS = set(ChatCompletionRequest.model_fields)
 INLINE_RENDER_CHARS = 16_384  # longer conversations are rendered and tokenized off the event loop
@@ -76,29 +77,30 @@ class ChatServing:
         size = sum(message_chars(m) for m in req.messages) + kwargs + (tools_chars(req.tools) if req.tools else 0)
         plan = plan_tools(req, self.state.options)
         limit = engine.info.limits.max_prompt_bytes
-        if size > limit // 4 and sum(len(m.text().encode("utf-8", "surrogatepass")) for m in req.messages) > limit:
+        if size > limit // 4 and utf8_size_over("".join(m.text() for m in req.messages), limit) is not None:
             raise OpenAIError(400, f"the messages exceed {limit} bytes (max_prompt_bytes)", "messages")
-        if size > INLINE_RENDER_CHARS:
-            text, ids = await asyncio.to_thread(self._prompt, req, plan)
-        else:
-            text, ids = self._prompt(req, plan)
         if not req.logprobs and req.top_logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None and req.use_beam_search:
-            max_tokens = max(1, engine.info.max_model_len - len(ids))
-        params = build_params(req, max_tokens, k, req.prompt_logprobs, tool_constraint=plan.constraint)
-        if isinstance(params, SamplingParams) and plan.skip_special_tokens is not None:
-            params.skip_special_tokens = plan.skip_special_tokens
         rid = new_request_id(req.request_id)
-        run = GenerationRun(self.state)
+        run = GenerationRun(self.state)  # the tenant's limits: a refusal costs no rendering or tokenizing
         run.session_id = session_id or req.user
         handed_off = False
         try:
+            if size > INLINE_RENDER_CHARS:
+                text, ids = await asyncio.to_thread(self._prompt, req, plan)
+            else:
+                text, ids = self._prompt(req, plan)
+            k = (req.top_logprobs or 0) if req.logprobs else None
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            if max_tokens is None and req.use_beam_search:
+                max_tokens = max(1, engine.info.max_model_len - len(ids))
+            params = build_params(req, max_tokens, k, req.prompt_logprobs, tool_constraint=plan.constraint)
+            if isinstance(params, SamplingParams) and plan.skip_special_tokens is not None:
+                params.skip_special_tokens = plan.skip_special_tokens
             run.admit(1, params)
             try:
-                await run.add(engine, rid, {"prompt": text, "prompt_token_ids": ids}, params, req.cache_salt)
+                await run.add(engine, rid, {"prompt": text, "prompt_token_ids": ids}, params, req.cache_salt,
+                              req.priority)
             except InvalidRequestError as e:
                 if plan.constraint is None or not str(e).startswith("structured_outputs"):
                     raise

@@ -26,7 +26,7 @@ from pagedserve.cluster.server.openai.protocol import usage
 from pagedserve.cluster.server.openai.sampling import build_params
 from pagedserve.cluster.server.openai.sse import EventStreamResponse, sse_events
 from pagedserve.cluster.server.state import ServingState
-from pagedserve.outputs import BeamSearchOutput, CompletionOutput, Logprob
+from pagedserve.common.outputs import BeamSearchOutput, CompletionOutput, Logprob
 
 FIELDS = set(CompletionRequest.model_fields)
 
@@ -83,7 +83,8 @@ class CompletionServing:
         try:
             run.admit(len(prompts), params)
             for i, p in enumerate(prompts):
-                await run.add(engine, rid if len(prompts) == 1 else f"{rid}-{i}", p, params, req.cache_salt)
+                await run.add(engine, rid if len(prompts) == 1 else f"{rid}-{i}", p, params, req.cache_salt,
+                              req.priority)
             completion = _Completion(self, req, model, rid, run)
             outputs = run.outputs(engine, stream=req.stream and not req.use_beam_search)
             if not req.stream:

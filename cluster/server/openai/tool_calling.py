@@ -26,9 +26,9 @@ from pagedserve.cluster.server.openai.chat_protocol import (
 )
 from pagedserve.cluster.server.openai.errors import OpenAIError
 from pagedserve.cluster.server.openai.tool_parsers import TOOL_PARSER_NAMES, TOOL_PARSERS, ToolParser
-from pagedserve.cluster.server.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from pagedserve.cluster.server.openai.tool_parsers.forced import REQUIRED_CALLS, NamedToolParser
 from pagedserve.cluster.server.openai.tool_parsers.types import ContentDelta, Event
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.common.sampling_params import StructuredOutputsParams
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 # Calls are written as json.dumps writes them (", " and ": ", no other whitespace), as tool-calling models are
@@ -142,7 +142,7 @@ def plan_tools(req: ChatCompletionRequest, options: ApiOptions) -> ToolPlan:
     if choice == "required":
         _refuse_other_constraint(req, '"required"')
         return ToolPlan(tools, _constraint(required_schema(req.tools, req.parallel_tool_calls)),
-                        RequiredToolParser)
+                        REQUIRED_CALLS)
     if not options.enable_auto_tool_choice or not options.tool_call_parser:
         raise OpenAIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                'set on the server (or send tool_choice "none", "required" or a named function)',

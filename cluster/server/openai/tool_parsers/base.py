@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum, auto
 
 from pagedserve.cluster.server.openai.tool_parsers.json_call import CallScanner
@@ -27,8 +28,6 @@ _WHITESPACE = " \t\n\r"
 class ToolParser(ABC):
     """``stream``: announce calls before they are complete (see the module's doc)."""
 
-    # The request's skip_special_tokens, when the format's markers are special tokens; None: the request's own.
-    skip_special_tokens: bool | None = None
     # The finish reason of an output that made calls ("stop" becomes this); None: the engine's.
     finish_reason: str | None = "tool_calls"
 
@@ -64,19 +63,35 @@ def _marker_prefix_len(text: str, marker: str) -> int:
     return 0
 
 
-class JsonCallsParser(ToolParser):
-    start = ""  # the marker before calls ("": none)
-    start_optional = False  # a leading format's calls may also begin without the marker
-    end = ""  # the marker after each call ("one" layout)
-    layout = "one"  # "one" object per marker, an "array" of objects, or a "sequence" of objects joined by ";"
-    leading = False  # calls only at the output's start; otherwise the whole output is content
+@dataclass(frozen=True)
+class CallFormat:
+    """How a model writes its tool calls: a parser spec, and the factory of its parsers (``fmt(stream=...)``)."""
+
+    start: str = ""  # the marker before calls ("": none)
+    start_optional: bool = False  # a leading format's calls may also begin without the marker
+    end: str = ""  # the marker after each call ("one" layout)
+    layout: str = "one"  # "one" object per marker, an "array" of objects, or a "sequence" of objects joined by ";"
+    leading: bool = False  # calls only at the output's start; otherwise the whole output is content
     name_keys: tuple[str, ...] = ("name",)
     args_keys: tuple[str, ...] = ("arguments",)
-    new_id: Callable[[], str] = staticmethod(openai_call_id)
+    new_id: Callable[[], str] = openai_call_id
+    # The request's skip_special_tokens, when the markers are special tokens; None: the request's own.
+    skip_special_tokens: bool | None = None
 
-    def __init__(self, stream: bool = True) -> None:
+    def __call__(self, stream: bool = True) -> JsonCallsParser:
+        return JsonCallsParser(self, stream)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Its parsers' (the chat response reads it from the factory, as ``skip_special_tokens``)."""
+        return JsonCallsParser.finish_reason
+
+
+class JsonCallsParser(ToolParser):
+    def __init__(self, fmt: CallFormat, stream: bool = True) -> None:
         super().__init__(stream)
-        self._mode = _Mode.LEAD if self.leading else _Mode.TEXT
+        self.fmt = fmt
+        self._mode = _Mode.LEAD if fmt.leading else _Mode.TEXT
         self._buf = ""  # received, not yet consumed
         self._pending = ""  # consumed, not yet known to be content or a call's structure
         self._scanner: CallScanner | None = None
@@ -128,12 +143,12 @@ class JsonCallsParser(ToolParser):
         self._pending = ""
         self._scanner = None
         self._committed = False
-        self._mode = _Mode.CONTENT if self.leading else _Mode.TEXT
+        self._mode = _Mode.CONTENT if self.fmt.leading else _Mode.TEXT
 
     def _end_group(self) -> None:
         self._pending = ""
-        self._mode = _Mode.CONTENT if self.leading else _Mode.TEXT
-        self._between = not self.leading
+        self._mode = _Mode.CONTENT if self.fmt.leading else _Mode.TEXT
+        self._between = not self.fmt.leading
 
     def _advance(self) -> bool:
         """One step on the buffer; False when it needs more text."""
@@ -154,21 +169,21 @@ class JsonCallsParser(ToolParser):
 
     def _text(self) -> bool:
         if self._between:
-            if not self._skip_whitespace() or (len(self._buf) < len(self.start)
-                                               and self.start.startswith(self._buf)):
+            if not self._skip_whitespace() or (len(self._buf) < len(self.fmt.start)
+                                               and self.fmt.start.startswith(self._buf)):
                 return False
-            if not self._buf.startswith(self.start):
+            if not self._buf.startswith(self.fmt.start):
                 self._content(self._pending)
             self._pending, self._between = "", False
-        i = self._buf.find(self.start)
+        i = self._buf.find(self.fmt.start)
         if i < 0:
-            keep = _marker_prefix_len(self._buf, self.start)
+            keep = _marker_prefix_len(self._buf, self.fmt.start)
             self._content(self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return False
         self._content(self._buf[:i])
         self._buf = self._buf[i:]
-        self._consume(len(self.start))
+        self._consume(len(self.fmt.start))
         self._mode, self._group_calls = _Mode.OPEN, 0
         return True
 
@@ -177,12 +192,12 @@ class JsonCallsParser(ToolParser):
         if not rest:
             return False
         skipped = len(self._buf) - len(rest)
-        opener = "[" if self.layout == "array" else "{"
-        if self.start and rest.startswith(self.start):
-            self._consume(skipped + len(self.start))
-        elif self.start and self.start.startswith(rest):
+        opener = "[" if self.fmt.layout == "array" else "{"
+        if self.fmt.start and rest.startswith(self.fmt.start):
+            self._consume(skipped + len(self.fmt.start))
+        elif self.fmt.start and self.fmt.start.startswith(rest):
             return False
-        elif rest[0] == opener and (self.start_optional or not self.start):
+        elif rest[0] == opener and (self.fmt.start_optional or not self.fmt.start):
             self._consume(skipped)
         else:
             self._mode = _Mode.CONTENT
@@ -191,7 +206,7 @@ class JsonCallsParser(ToolParser):
         return True
 
     def _open(self) -> bool:
-        if self.layout != "array":
+        if self.fmt.layout != "array":
             self._mode = _Mode.ELEMENT
         elif self._buf[0] == "[":
             self._consume(1)
@@ -204,7 +219,7 @@ class JsonCallsParser(ToolParser):
         if self._scanner is None:
             if not self._buf:
                 return False
-            self._scanner = CallScanner(self.name_keys, self.args_keys)
+            self._scanner = CallScanner(self.fmt.name_keys, self.fmt.args_keys)
         scanner = self._scanner
         n = scanner.feed(self._buf)
         if self._committed:
@@ -231,7 +246,7 @@ class JsonCallsParser(ToolParser):
         return True
 
     def _commit(self, name: str) -> None:
-        self._events.append(ToolCallDelta(self._index, "", self.new_id(), name))
+        self._events.append(ToolCallDelta(self._index, "", self.fmt.new_id(), name))
         self._index += 1
         self._group_calls += 1
         self._committed, self._sent, self._pending = True, 0, ""
@@ -247,19 +262,19 @@ class JsonCallsParser(ToolParser):
 
     def _after(self) -> bool:
         ch = self._buf[0]
-        if self.layout == "one":
-            if self.end and self._buf.startswith(self.end):
-                self._consume(len(self.end))
-            elif self.end and self.end.startswith(self._buf):
+        if self.fmt.layout == "one":
+            if self.fmt.end and self._buf.startswith(self.fmt.end):
+                self._consume(len(self.fmt.end))
+            elif self.fmt.end and self.fmt.end.startswith(self._buf):
                 return False
             self._end_group()
-        elif (self.layout == "array" and ch == ",") or (self.layout == "sequence" and ch == ";"):
+        elif (self.fmt.layout == "array" and ch == ",") or (self.fmt.layout == "sequence" and ch == ";"):
             self._consume(1)
             self._mode = _Mode.ELEMENT
-        elif self.layout == "array" and ch == "]":
+        elif self.fmt.layout == "array" and ch == "]":
             self._consume(1)
             self._end_group()
-        elif self.layout == "array":
+        elif self.fmt.layout == "array":
             self._fail()
         else:
             self._end_group()

@@ -2,14 +2,10 @@
 ``{"name": ..., "parameters": {...}}``, or the named function's arguments alone."""
 from __future__ import annotations
 
-from pagedserve.cluster.server.openai.tool_parsers.base import JsonCallsParser, ToolParser
+from pagedserve.cluster.server.openai.tool_parsers.base import CallFormat, ToolParser
 from pagedserve.cluster.server.openai.tool_parsers.types import Event, ToolCallDelta, openai_call_id
 
-
-class RequiredToolParser(JsonCallsParser):
-    layout = "array"
-    leading = True
-    args_keys = ("parameters",)
+REQUIRED_CALLS = CallFormat(layout="array", leading=True, args_keys=("parameters",))
 
 
 class NamedToolParser(ToolParser):

@@ -46,6 +46,9 @@
 {{- if $v.apiKey.existingSecret }}
 - --api-key-file=/etc/pagedserve/api-key/{{ $v.apiKey.secretKey }}
 {{- end }}
+{{- if $v.tenants.existingSecret }}
+- --tenants-file=/etc/pagedserve/tenants/{{ $v.tenants.secretKey }}
+{{- end }}
 {{- range $e.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -168,6 +171,13 @@ grpc:
     secretName: {{ $v.apiKey.existingSecret }}
     defaultMode: 0440
 {{- end }}
+{{- if and .gateway $v.tenants.existingSecret }}
+# The tenants' keys as a file (--tenants-file), as the API key.
+- name: tenants
+  secret:
+    secretName: {{ $v.tenants.existingSecret }}
+    defaultMode: 0440
+{{- end }}
 {{- end -}}
 
 {{- define "pagedserve.volumeMounts" -}}
@@ -191,6 +201,11 @@ grpc:
 {{- if and .gateway $v.apiKey.existingSecret }}
 - name: api-key
   mountPath: /etc/pagedserve/api-key
+  readOnly: true
+{{- end }}
+{{- if and .gateway $v.tenants.existingSecret }}
+- name: tenants
+  mountPath: /etc/pagedserve/tenants
   readOnly: true
 {{- end }}
 {{- end -}}

@@ -1,0 +1,1 @@
+"""The C++ CPU kernels (``csrc/``, built at first use by ``extension.py``) and the Python side of each."""

@@ -1,0 +1,57 @@
+"""The fused MoE layer on CPU (fp32 activations): this rank's experts packed once into panels of the fp32 GEMM's
+layout, gate and up side by side, and one C++ call per layer (``csrc/moe.cpp``); ``torch_ref.fused_moe`` is its
+spec. Experts whose values are all bf16 numbers (a bf16 checkpoint run in fp32) are packed in bf16: the same sums
+from half the bytes, which is what a decode step's MoE layer is bound by."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.cpu import extension as cpu_extension
+from pagedserve.kernels.cpu.gemm import PANEL
+
+HALF = PANEL // 2  # gate (and up) rows per gate-up panel
+
+
+@dataclass(frozen=True)
+class MoePanels:
+    w13: torch.Tensor  # [E, ceil(I / 8), H, 16]: gate rows 8q .. 8q+7 in columns 0-7, the same up rows in 8-15
+    w2: torch.Tensor  # [E, ceil(H / 16), I, 16]; both fp32 or both bf16
+    intermediate_size: int  # I
+    expert_start: int  # the global id of expert 0 here
+
+
+def exact_in_bf16(weights: list[torch.Tensor]) -> bool:
+    """Whether every value is a bf16 number (as in a bf16 checkpoint), so bf16 panels hold them exactly."""
+    return all(torch.equal(w.to(torch.bfloat16).to(w.dtype), w) for w in weights)
+
+
+def pack_experts(gate_up: list[torch.Tensor], down: list[torch.Tensor], expert_start: int,
+                 dtype: torch.dtype = torch.float32) -> MoePanels:
+    """``gate_up [2I, H]`` and ``down [H, I]`` of experts ``expert_start, expert_start + 1, ...`` in ``dtype`` panels
+    (float32, or bfloat16 where :func:`exact_in_bf16`)."""
+    hidden, inter = down[0].shape
+    p13, p2 = -(-inter // HALF), -(-hidden // PANEL)
+    w13 = torch.empty(len(gate_up), p13, hidden, PANEL, dtype=dtype)
+    w2 = torch.empty(len(down), p2, inter, PANEL, dtype=dtype)
+    for e, (gu, d) in enumerate(zip(gate_up, down)):
+        halves = torch.zeros(2, p13 * HALF, hidden, dtype=torch.float32)
+        halves[0, :inter], halves[1, :inter] = gu[:inter], gu[inter:]
+        w13[e] = halves.view(2, p13, HALF, hidden).permute(1, 3, 0, 2).reshape(p13, hidden, PANEL)
+        rows = torch.zeros(p2 * PANEL, inter, dtype=torch.float32)
+        rows[:hidden] = d
+        w2[e] = rows.view(p2, PANEL, inter).transpose(1, 2)
+    return MoePanels(w13, w2, inter, expert_start)
+
+
+def supported(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.dim() == 2
+
+
+def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, panels: MoePanels) -> torch.Tensor:
+    """This rank's share of the layer for fp32 ``x [T, H]`` (see ``torch_ref.fused_moe``)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    cpu_extension.load().moe_fp32(x.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous(),
+                                  panels.expert_start, panels.w13, panels.w2, panels.intermediate_size, out)
+    return out

@@ -1,0 +1,29 @@
+"""The Triton backend (CUDA): paged attention and the KV-cache writes and copies in Triton kernels (``ops.py``); the
+spec (torch on the GPU) for the rest."""
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels.backend import KernelBackend
+from pagedserve.kernels.triton import ops
+
+
+class TritonBackend(KernelBackend):
+    name = "triton"
+
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+        ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def paged_attention(self, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None, *,
+                        sliding_window=None, logits_soft_cap=None, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
+        if not ops.attention_supported(query, k_cache):
+            self.fallback("paged_attention", f"its kernel's tiles take head sizes 9 to 256, not {query.shape[2]}")
+        return ops.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
+                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                   k_scale=k_scale, v_scale=v_scale)
+
+    def copy_blocks(self, k_caches, v_caches, block_mapping) -> None:
+        ops.copy_blocks(k_caches, v_caches, block_mapping)
+
+    def swap_blocks(self, src, dst, block_mapping) -> None:
+        ops.swap_blocks(src, dst, block_mapping)
