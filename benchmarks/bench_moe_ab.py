@@ -36,7 +36,7 @@ def main() -> None:
     prompts = [rng.integers(3, VOCAB, args.prompt_len).tolist() for _ in range(max(batches))]
 
     fused_calls = [0]
-    try:  # count the fused MoE op's calls where the tree has one (absent before 94f2ff9)
+    try:  # count the fused MoE op's calls where the tree has one (absent before the fused op)
         from pagedserve.kernels.cpu import moe as moe_kernel
 
         inner = moe_kernel.fused_moe
