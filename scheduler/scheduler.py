@@ -283,8 +283,12 @@ class Scheduler:
         as many as can start this step: each needs a sequence slot and the blocks for its first chunk (its cached
         prefix aside) beside the running requests' next tokens. Returns the first waiting request whose grammar
         (if any) is ready: nothing swapped of a worse priority goes before it."""
+        if not self.waiting:
+            return None
         bm = self.block_manager
-        budget, slots, blocks = self.config.max_num_batched_tokens, 0, 0
+        # Each running request's blocks for its next tokens, once a step: preempting one does not change another's.
+        next_blocks = {r.request_id: bm.group_blocks_needed(r.live_seqs, 1) for r in self.running}
+        budget, slots, blocks = self.config.max_num_batched_tokens, 0, sum(next_blocks.values())
         first = None
         for req in self.waiting.admission_order():
             if not self._grammar_ready(req):
@@ -296,20 +300,20 @@ class Scheduler:
             need = bm.group_blocks_needed(req.live_seqs, n)
             while (self.running and self.running[-1].priority > req.priority
                    and self._short_of_room(slots + 1, blocks + need)):
-                self._preempt(self.running[-1], out)
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                blocks -= next_blocks.pop(victim.request_id)
             if self._short_of_room(slots + 1, blocks + need):
                 break
             budget, slots, blocks = budget - n, slots + 1, blocks + need
         return first
 
     def _short_of_room(self, slots: int, blocks: int) -> bool:
-        """Whether ``slots`` more sequences and ``blocks`` more blocks do not fit beside the running requests and
-        their next tokens."""
+        """Whether ``slots`` more sequences beside the running ones, and ``blocks`` more blocks (the running
+        requests' next tokens included), do not fit."""
         if len(self.running) + slots > self.config.max_num_seqs:
             return True
-        bm = self.block_manager
-        taken = blocks + sum(bm.group_blocks_needed(r.live_seqs, 1) for r in self.running)
-        return bm.num_free_blocks - taken < bm.watermark_blocks
+        return self.block_manager.num_free_blocks - blocks < self.block_manager.watermark_blocks
 
     def _held_decodes(self, now: float) -> set[str]:
         """Running decodes to hold back this step so that prompts prefill first (lower TTFT under bursts, wider
