@@ -122,12 +122,17 @@ class CpuBackend(KernelBackend):
 
     # ---- mixture of experts ------------------------------------------------------------------
     def moe_experts(self, block, x, topk_ids, topk_weights):
-        """One C++ call where packing gave the block fused-MoE panels (fp32 experts, ``worker/cpu/moe_packing.py``),
-        else the block's loop over its experts."""
+        """One C++ call where packing gave the block fused-MoE panels (``worker/cpu/moe_packing.py``), else the
+        block's loop over its experts."""
         panels = getattr(block, "moe_panels", None)
         if panels is None:
             return super().moe_experts(block, x, topk_ids, topk_weights)
-        if not moe.supported(x):  # the panels replaced the experts' weights: nothing else can run them
+        # The panels replaced the experts' weights: nothing else can run them.
+        if isinstance(panels, moe.MoeBF16Panels):
+            if not moe.bf16_supported(x):
+                raise TypeError(f"the bf16 MoE panels take bfloat16 [tokens, hidden] activations, got {_describe(x)}")
+            return moe.fused_moe_bf16(x, topk_ids, topk_weights, panels)
+        if not moe.supported(x):
             raise TypeError(f"the fused MoE panels take float32 [tokens, hidden] activations, got {_describe(x)}")
         return moe.fused_moe(x, topk_ids, topk_weights, panels)
 

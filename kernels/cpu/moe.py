@@ -1,7 +1,10 @@
-"""The fused MoE layer on CPU (fp32 activations): this rank's experts packed once into panels of the fp32 GEMM's
-layout, gate and up side by side, and one C++ call per layer (``csrc/moe.cpp``); ``torch_ref.fused_moe`` is its
-spec. Experts whose values are all bf16 numbers (a bf16 checkpoint run in fp32) are packed in bf16: the same sums
-from half the bytes, which is what a decode step's MoE layer is bound by."""
+"""The fused MoE layer on CPU: this rank's experts packed once into panels, gate and up side by side, and one C++ call
+per layer; ``torch_ref.fused_moe`` is its spec.
+
+fp32 activations (``csrc/moe.cpp``): panels of the fp32 GEMM's layout; experts whose values are all bf16 numbers (a
+bf16 checkpoint run in fp32) are packed in bf16: the same sums from half the bytes, which is what a decode step's
+MoE layer is bound by. bf16 activations (``csrc/moe_bf16.cpp``, CPUs with AVX512-BF16): the bf16 GEMM's k-pair
+panels, run on AMX tiles where the CPU has them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,9 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.cpu import extension as cpu_extension
+from pagedserve.kernels.cpu import gemm_bf16
 from pagedserve.kernels.cpu.gemm import PANEL
 
 HALF = PANEL // 2  # gate (and up) rows per gate-up panel
+HALF_BF16 = gemm_bf16.PANEL // 2  # the same in a bf16 panel
+PANEL_K = 32  # the bf16 kernel's AMX k step: H and I are padded to whole ones
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,13 @@ class MoePanels:
     w2: torch.Tensor  # [E, ceil(H / 16), I, 16]; both fp32 or both bf16
     intermediate_size: int  # I
     expert_start: int  # the global id of expert 0 here
+
+
+@dataclass(frozen=True)
+class MoeBF16Panels:
+    w13: torch.Tensor  # [E, Ip / 16, Hp / 2, 32, 2] bf16 k-pair panels: 16 gate rows, then the same 16 up rows
+    w2: torch.Tensor  # [E, ceil(H / 32), Ip / 2, 32, 2]; Hp, Ip: hidden and intermediate sizes rounded up to 32
+    expert_start: int
 
 
 def exact_in_bf16(weights: list[torch.Tensor]) -> bool:
@@ -54,4 +67,45 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     cpu_extension.load().moe_fp32(x.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous(),
                                   panels.expert_start, panels.w13, panels.w2, panels.intermediate_size, out)
+    return out
+
+
+def bf16_available() -> bool:
+    """Whether the extension has the bf16 kernel (built for a CPU with AVX512-BF16)."""
+    return cpu_extension.available() and cpu_extension.load().moe_bf16_built()
+
+
+def _padded(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    out[:w.shape[0], :w.shape[1]] = w
+    return out
+
+
+def pack_experts_bf16(gate_up: list[torch.Tensor], down: list[torch.Tensor], expert_start: int) -> MoeBF16Panels:
+    """bf16 ``gate_up [2I, H]`` and ``down [H, I]`` of experts ``expert_start, ...`` in the bf16 kernel's panels:
+    any H and I (zero-padded to whole AMX k steps)."""
+    hidden, inter = down[0].shape
+    hp, ip = -(-hidden // PANEL_K) * PANEL_K, -(-inter // PANEL_K) * PANEL_K
+    p2 = -(-hidden // gemm_bf16.PANEL)
+    w13 = torch.empty(len(gate_up), ip // HALF_BF16, hp // 2, gemm_bf16.PANEL, 2, dtype=torch.bfloat16)
+    w2 = torch.empty(len(down), p2, ip // 2, gemm_bf16.PANEL, 2, dtype=torch.bfloat16)
+    for e, (gu, d) in enumerate(zip(gate_up, down)):
+        halves = torch.stack([_padded(gu[:inter], ip, hp), _padded(gu[inter:], ip, hp)])  # [2, Ip, Hp]
+        interleaved = halves.view(2, ip // HALF_BF16, HALF_BF16, hp).transpose(0, 1).reshape(2 * ip, hp)
+        gemm_bf16.pack_weight(interleaved, w13[e].view(ip // HALF_BF16, hp // 2, gemm_bf16.PANEL, 2))
+        gemm_bf16.pack_weight(_padded(d, hidden, ip), w2[e])
+    return MoeBF16Panels(w13, w2, expert_start)
+
+
+def bf16_supported(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.dim() == 2
+
+
+def fused_moe_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, panels: MoeBF16Panels,
+                   use_amx: bool = True) -> torch.Tensor:
+    """This rank's share of the layer for bf16 ``x [T, H]``; ``use_amx=False`` takes the AVX512-BF16 kernel on an AMX
+    CPU too (tests, benchmarks)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    cpu_extension.load().moe_bf16(x.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous(),
+                                  panels.expert_start, panels.w13, panels.w2, out, use_amx)
     return out

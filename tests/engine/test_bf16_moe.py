@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve import LLM
+from pagedserve.kernels.cpu import moe as cpu_moe
 from pagedserve.tests.engine.test_bf16 import assert_bf16_close_to_hf
 from pagedserve.tests.utils import random_prompts
 
@@ -35,4 +36,7 @@ def test_moe_bf16_greedy_close_to_hf_bf16(arch, model_factory, tmp_path):
     model = llm.llm_engine.core.executor.worker.model_runner.model
     assert all(p.dtype == torch.bfloat16 for p in model.parameters() if p.is_floating_point())
     assert model.model.cpu_layers is None  # MoE layers stay off the one-call C++ layer
+    blocks = [m for m in model.modules() if hasattr(m, "expert_ids")]
+    assert blocks and all(isinstance(getattr(b, "moe_panels", None), cpu_moe.MoeBF16Panels) == cpu_moe.bf16_available()
+                          for b in blocks)  # the fused bf16 kernel wherever it is built
     assert_bf16_close_to_hf(llm, model_dir, prompts)

@@ -1,7 +1,8 @@
-"""The fused CPU MoE kernel (csrc/moe.cpp) against its spec, torch_ref.fused_moe, over routings that stress its
-grouping: every token to one expert, experts with no tokens, one token, top-k = every expert, widths that are not
-multiples of the panels, and choices whose experts are on another rank; and a packed MoE block against the same
-block running its per-expert loop."""
+"""The fused CPU MoE kernels (csrc/moe.cpp for fp32 activations, csrc/moe_bf16.cpp for bf16 ones, on AMX tiles and
+on AVX512-BF16) against their spec, torch_ref.fused_moe, over routings that stress their grouping: every token to
+one expert, experts with no tokens, one token, top-k = every expert, widths that are not multiples of the panels, and
+choices whose experts are on another rank; and a packed MoE block against the same block running its per-expert
+loop."""
 from __future__ import annotations
 
 import pytest
@@ -84,3 +85,66 @@ def test_bf16_panels_of_bf16_valued_experts_give_the_fp32_panels_sums():
     assert packed.w13.dtype == torch.bfloat16 and packed.w13.element_size() == 2
     assert torch.equal(moe.fused_moe(x, ids, weights, packed), fp32)
     _check(x, w13, w2, ids, weights)
+
+
+bf16_kernel = pytest.mark.skipif(not moe.bf16_available(), reason="the bf16 MoE kernel needs AVX512-BF16")
+
+
+def _check_bf16(x, w13, w2, ids, weights, start=0):
+    """Both kernels (AMX, where the CPU has it, and AVX512-BF16) against the spec in bf16, which rounds where they do
+    (gate, up, their product, down, the sum): they differ only in the order of fp32 sums, so by at most a bf16 step
+    of the result or two of the spec's fp32 evaluation of the same rounded weights."""
+    w13, w2, x = [w.bfloat16() for w in w13], [w.bfloat16() for w in w2], x.bfloat16()
+    expected = torch_ref.fused_moe(x, w13, w2, ids, weights, start).float()
+    exact = torch_ref.fused_moe(x.float(), [w.float() for w in w13], [w.float() for w in w2], ids, weights, start)
+    packed = moe.pack_experts_bf16(w13, w2, start)
+    outs = [moe.fused_moe_bf16(x, ids, weights, packed, use_amx=amx).float() for amx in (True, False)]
+    scale = exact.abs().amax(-1, keepdim=True) + 1e-3
+    for got in outs:
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        assert ((got - expected).abs() / scale).max() < 2 ** -6
+        assert ((got - exact).abs() / scale).max() < 2 ** -5
+    return outs[0]
+
+
+@bf16_kernel
+@pytest.mark.parametrize("hidden, inter", [(24, 40), (40, 37), (64, 8), (17, 1), (96, 64)])
+def test_bf16_random_routings_equal_the_spec(hidden, inter):
+    w13, w2 = _experts(6, hidden, inter, seed=hidden)
+    for tokens, k in ((1, 2), (7, 3), (33, 2), (5, 6)):
+        x = torch.randn(tokens, hidden)
+        ids = torch.stack([torch.randperm(6)[:k] for _ in range(tokens)])
+        _check_bf16(x, w13, w2, ids, _routing(ids, tokens))
+
+
+@bf16_kernel
+def test_bf16_every_token_to_one_expert_and_experts_with_none():
+    w13, w2 = _experts(8, 64, 48, seed=1)
+    x = torch.randn(50, 64)  # 50 rows on expert 3: AMX row groups of 32 and 16, the last one padded
+    _check_bf16(x, w13, w2, torch.full((50, 1), 3), torch.ones(50, 1))
+    ids = torch.stack([torch.tensor([3, 5])] * 50)
+    _check_bf16(x, w13, w2, ids, _routing(ids, 2))
+
+
+@bf16_kernel
+def test_bf16_choices_on_other_ranks_add_nothing():
+    w13, w2 = _experts(3, 32, 40, seed=2)
+    ids = torch.tensor([[0, 1], [4, 9], [5, 6], [2, 8], [6, 4]])
+    got = _check_bf16(torch.randn(5, 32), w13, w2, ids, _routing(ids, 3), start=4)
+    assert torch.equal(got[0], torch.zeros(32)) and torch.equal(got[3], torch.zeros(32))
+    none_local = torch.tensor([[0, 1], [2, 3]])
+    out = moe.fused_moe_bf16(torch.randn(2, 32).bfloat16(), none_local, _routing(none_local, 1),
+                             moe.pack_experts_bf16([w.bfloat16() for w in w13], [w.bfloat16() for w in w2], 4))
+    assert torch.equal(out, torch.zeros(2, 32, dtype=torch.bfloat16))
+
+
+@bf16_kernel
+def test_a_bf16_packed_block_equals_its_per_expert_loop():
+    block = _block(6, 2, True).to(torch.bfloat16)
+    x = torch.randn(13, HIDDEN).bfloat16()
+    expected = block(x).float()
+    assert pack_moe_experts(block, panels=False, bf16_panels=True) == 1
+    assert len(block.experts) == 0 and isinstance(block.moe_panels, moe.MoeBF16Panels)
+    got = block(x).float()
+    assert ((got - expected).abs() / (expected.abs().amax(-1, keepdim=True) + 1e-3)).max() < 2 ** -6
+    assert block(torch.empty(0, HIDDEN, dtype=torch.bfloat16)).shape == (0, HIDDEN)

@@ -25,7 +25,7 @@ def prepare_model(model: nn.Module, backend: KernelBackend) -> None:
     """Ready a loaded model for the backend that will run it."""
     plan = backend.packing()
     if plan is not None:
-        pack_moe_experts(model, panels=plan.panels)
+        pack_moe_experts(model, panels=plan.panels, bf16_panels=plan.bf16_panels)
         pack_linears(model, panels=plan.panels, bf16_panels=plan.bf16_panels, int8_panels=plan.int8_panels)
     if backend.fused_decoder_layer:
         attach_decoder_layers(model)

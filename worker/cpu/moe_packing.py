@@ -1,7 +1,8 @@
-"""Every MoE layer's local experts packed, once after loading, for the fused CPU MoE kernel (``kernels/cpu/moe.py``):
-where the fp32 panel GEMM is the CPU's linear (:func:`~pagedserve.worker.cpu.packing.panel_gemm_preferred`) and the
-experts are fp32 (int8 or bf16 experts keep their per-expert linears). The panels replace the experts' weights; they
-are bf16 where every expert value is a bf16 number (a bf16 checkpoint run in fp32, ``dtype="auto"`` on AVX2)."""
+"""Every MoE layer's local experts packed, once after loading, for the fused CPU MoE kernels
+(``kernels/cpu/moe.py``): fp32 experts where the fp32 panel GEMM is the CPU's linear
+(:func:`~pagedserve.worker.cpu.packing.panel_gemm_preferred`), in bf16 panels where every expert value is a bf16
+number (a bf16 checkpoint run in fp32, ``dtype="auto"`` on AVX2); bf16 experts where the bf16 kernel is built
+(AVX512-BF16). int8 experts keep their per-expert linears. The panels replace the experts' weights."""
 from __future__ import annotations
 
 import logging
@@ -9,32 +10,38 @@ import logging
 import torch
 from torch import nn
 
-from pagedserve.kernels.cpu.moe import exact_in_bf16, pack_experts
+from pagedserve.kernels.cpu.moe import bf16_available, exact_in_bf16, pack_experts, pack_experts_bf16
 from pagedserve.worker.cpu.packing import panel_gemm_preferred
 from pagedserve.worker.layers.moe import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
 
-def pack_moe_experts(model: nn.Module, panels: bool | None = None) -> int:
-    """Pack each MoE block's experts; returns how many blocks. ``panels``: as ``pack_linears``' (default: where
-    the panel GEMM is preferred)."""
-    if not (panel_gemm_preferred() if panels is None else panels):
-        return 0
-    dtypes: list[torch.dtype] = []
+def pack_moe_experts(model: nn.Module, panels: bool | None = None, bf16_panels: bool | None = None) -> int:
+    """Pack each MoE block's experts; returns how many blocks. ``panels``, ``bf16_panels``: as ``pack_linears``'
+    (default: where the fp32 panel GEMM is preferred; where the bf16 kernel is built)."""
+    fp32 = panel_gemm_preferred() if panels is None else panels
+    bf16 = bf16_available() if bf16_panels is None else bf16_panels
+    kinds: list[str] = []
     for block in model.modules():
         if not isinstance(block, SparseMoeBlock) or len(block.experts) == 0:
             continue
         experts = [block.experts[str(e)] for e in block.expert_ids]
         gate_up = [e.gate_up_proj.weight.detach() for e in experts]
         down = [e.down_proj.weight.detach() for e in experts]
-        if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in gate_up + down):
+        if any(w.device.type != "cpu" for w in gate_up + down):
             continue
-        dtype = torch.bfloat16 if exact_in_bf16(gate_up + down) else torch.float32
-        block.moe_panels = pack_experts(gate_up, down, block.expert_ids.start, dtype)
+        dtypes = {w.dtype for w in gate_up + down}
+        if dtypes == {torch.bfloat16} and bf16:
+            block.moe_panels = pack_experts_bf16(gate_up, down, block.expert_ids.start)
+            kinds.append("bf16 activations")
+        elif dtypes == {torch.float32} and fp32:
+            dtype = torch.bfloat16 if exact_in_bf16(gate_up + down) else torch.float32
+            block.moe_panels = pack_experts(gate_up, down, block.expert_ids.start, dtype)
+            kinds.append(f"fp32 activations, {str(dtype).removeprefix('torch.')} panels")
+        else:
+            continue
         block.experts = nn.ModuleDict()
-        dtypes.append(dtype)
-    if dtypes:
-        logger.info("fused MoE: packed the experts of %d layers (%s)", len(dtypes),
-                    ", ".join(sorted({str(d).removeprefix("torch.") for d in dtypes})))
-    return len(dtypes)
+    if kinds:
+        logger.info("fused MoE: packed the experts of %d layers (%s)", len(kinds), ", ".join(sorted(set(kinds))))
+    return len(kinds)

@@ -78,9 +78,10 @@ struct PanelSteps {
 
 // c[r][0:32] = init + sum_k x[m + r][k] * panel[k][0:32] for the rows r < 32 that exist (m a multiple of 16; two A
 // tiles where rows > 16), init a row of 32 fp32 (or null: zeros). pf: bytes to prefetch into L2 alongside (a
-// panel's worth), or null. Needs the tile config loaded on this thread.
-template <typename Steps>
-inline void amx_rows(const TileRows& a, const Steps& b, int64_t m, int64_t rows, const float* init,
+// panel's worth), or null. Needs the tile config loaded on this thread. Rows: TileRows, or any type with its
+// `row(m)` and `stride(m)`.
+template <typename Rows, typename Steps>
+inline void amx_rows(const Rows& a, const Steps& b, int64_t m, int64_t rows, const float* init,
                      float (*c)[kAmxN], const bf16_t* pf) {
   const bool two = rows > kAmxR;
   if (init != nullptr) {

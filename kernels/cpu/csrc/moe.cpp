@@ -21,13 +21,6 @@ namespace {
 
 constexpr int64_t kHalf = kNR / 2;  // gate (or up) rows per w13 panel
 
-struct Routes {
-  std::vector<int64_t> start;   // [E + 1]: pairs of expert e are rows start[e] .. start[e + 1]
-  std::vector<int64_t> token;   // [pairs]: the token of each row
-  std::vector<int64_t> row_of;  // [T * K]: the row of (t, k), or -1 where its expert is on another rank
-  std::vector<int64_t> active;  // experts with at least one row
-};
-
 // y [rows, 16] = x [rows, K] (row stride ldx) times one panel [K, 16]: k blocks of kKC, each run by every row tile
 // while its slice of the panel sits in L1; the sums in k order, as the panel GEMM's.
 template <typename W>
@@ -39,29 +32,6 @@ void panel_gemm(const float* x, int64_t ldx, int64_t rows, const W* panel, int64
       kTilesOf<W>[mr](x + m * ldx + k0, ldx, panel + k0 * kNR, kc, y + m * kNR, kNR, kNR, k0 > 0, nullptr, nullptr);
     }
   }
-}
-
-Routes group_by_expert(const int64_t* ids, int64_t T, int64_t K, int64_t expert_start, int64_t E) {
-  Routes r;
-  r.start.assign(E + 1, 0);
-  r.row_of.assign(T * K, -1);
-  for (int64_t i = 0; i < T * K; ++i) {
-    const int64_t e = ids[i] - expert_start;
-    if (e >= 0 && e < E) ++r.start[e + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) {
-    if (r.start[e + 1] > 0) r.active.push_back(e);
-    r.start[e + 1] += r.start[e];
-  }
-  r.token.resize(r.start[E]);
-  std::vector<int64_t> fill(r.start.begin(), r.start.end() - 1);
-  for (int64_t i = 0; i < T * K; ++i) {
-    const int64_t e = ids[i] - expert_start;
-    if (e < 0 || e >= E) continue;
-    r.row_of[i] = fill[e];
-    r.token[fill[e]++] = i / K;
-  }
-  return r;
 }
 
 template <typename W>
@@ -141,6 +111,29 @@ void moe(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weights, in
 }
 
 }  // namespace
+
+Routes group_by_expert(const int64_t* ids, int64_t T, int64_t K, int64_t expert_start, int64_t E) {
+  Routes r;
+  r.start.assign(E + 1, 0);
+  r.row_of.assign(T * K, -1);
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int64_t e = ids[i] - expert_start;
+    if (e >= 0 && e < E) ++r.start[e + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    if (r.start[e + 1] > 0) r.active.push_back(e);
+    r.start[e + 1] += r.start[e];
+  }
+  r.token.resize(r.start[E]);
+  std::vector<int64_t> fill(r.start.begin(), r.start.end() - 1);
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int64_t e = ids[i] - expert_start;
+    if (e < 0 || e >= E) continue;
+    r.row_of[i] = fill[e];
+    r.token[fill[e]++] = i / K;
+  }
+  return r;
+}
 
 void moe_fp32(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weights, int64_t expert_start,
               torch::Tensor w13, torch::Tensor w2, int64_t intermediate_size, torch::Tensor out) {

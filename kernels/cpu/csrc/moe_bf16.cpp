@@ -1,0 +1,212 @@
+// The fused MoE layer on bf16 activations: the (token, choice) pairs routed to this rank's experts grouped by expert
+// (group_by_expert), each expert's rows gathered and padded with zero rows to a multiple of 16 (an AMX tile), then
+// two parallel passes, each reading every active expert's weights once, whatever the batch:
+//  1. gate+up: one work item per (expert, w13 panel of 16 gate and 16 up rows): the panel product gives both halves
+//     of SiLU(gate) * up for each row at once, written as bf16 to the intermediate activations [rows, Ip].
+//  2. down: one work item per 32 output features: that panel of every active expert, then each token's weighted
+//     choices summed in fp32 in k order straight into out: no [tokens * k, hidden] buffer, no two threads writing
+//     the same output.
+// Threads take items as they come, so a skewed routing (every token to one expert) still splits that expert's rows.
+// Products run on AMX tiles where the CPU has them (16-row tiles: at decode the tile's unused rows cost cycles the
+// memory-bound pass has to spare), else on vdpbf16ps row tiles. Gate, up and down are rounded to bf16 where the
+// per-expert linears round them, so the layer gives their values up to the order of fp32 sums.
+
+#include "gemm_bf16.h"
+#include "moe.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <memory>
+
+namespace ps {
+
+namespace {
+
+constexpr int64_t kP = 32, kHalfP = 16, kTileRows = 12, kGroup = 16;
+
+int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// Rows of a gathered buffer, `ld` elements apart: what amx_rows reads its A tiles from.
+struct GatheredRows {
+  const bf16_t* base;
+  int64_t ld;
+  const bf16_t* row(int64_t m) const { return base + m * ld; }
+  int64_t stride(int64_t) const { return ld * int64_t(sizeof(bf16_t)); }
+};
+
+template <int MR>
+void dp_rows(const bf16_t* x, int64_t ldx, const bf16_t* panel, int64_t K2, float* y) {
+  __m512 a0[MR], a1[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  dp_accumulate<MR>(a0, a1, x, ldx, panel, K2, nullptr, 0);
+  for (int r = 0; r < MR; ++r) {
+    _mm512_storeu_ps(y + r * kP, a0[r]);
+    _mm512_storeu_ps(y + r * kP + 16, a1[r]);
+  }
+}
+using DpRowsFn = void (*)(const bf16_t*, int64_t, const bf16_t*, int64_t, float*);
+constexpr DpRowsFn kDpRows[kTileRows + 1] = {nullptr,     dp_rows<1>,  dp_rows<2>, dp_rows<3>, dp_rows<4>,
+                                             dp_rows<5>,  dp_rows<6>,  dp_rows<7>, dp_rows<8>, dp_rows<9>,
+                                             dp_rows<10>, dp_rows<11>, dp_rows<12>};
+
+// y [rows, 32] fp32 = `rows` rows of x (ldx apart, K columns) times one panel [K/2, 32, 2]. On AMX, rows is a
+// multiple of 16 and K of 32, and this thread has the tile config loaded.
+void panel_product(const bf16_t* x, int64_t ldx, int64_t rows, const bf16_t* panel, int64_t K, bool amx, float* y) {
+#ifdef PS_AMX
+  if (amx) {
+    const GatheredRows a{x, ldx};
+    const PanelSteps b(panel, K);
+    for (int64_t m = 0; m < rows; m += 2 * kAmxR)
+      amx_rows(a, b, m, std::min(2 * kAmxR, rows - m), nullptr, reinterpret_cast<float(*)[kAmxN]>(y + m * kP),
+               nullptr);
+    return;
+  }
+#endif
+  (void)amx;
+  for (int64_t m = 0; m < rows;) {
+    const int64_t mr = next_rows(rows - m, kTileRows);
+    kDpRows[mr](x + m * ldx, ldx, panel, K / 2, y + m * kP);
+    m += mr;
+  }
+}
+
+__m512 round_trip_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// A per-thread fp32 scratch of at least n floats.
+float* scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (int64_t(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// item(i) for i in [0, n) on the pool's threads, claimed one at a time, each thread with the tile config loaded
+// where `amx`.
+template <typename Item>
+void run_items(int64_t n, bool amx, const Item& item) {
+  std::atomic<int64_t> next{0};
+  run_parallel(std::min(kernel_threads(), n), [&] {
+#ifdef PS_AMX
+    const TileConfig cfg(kAmxR);
+    if (amx) _tile_loadconfig(&cfg);
+#endif
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) item(i);
+#ifdef PS_AMX
+    if (amx) _tile_release();
+#endif
+  });
+  (void)amx;
+}
+
+}  // namespace
+
+void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weights, int64_t expert_start,
+              torch::Tensor w13, torch::Tensor w2, torch::Tensor out, bool use_amx) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x: contiguous bf16 [T, H]");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == torch::kBFloat16);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.is_contiguous() && topk_ids.scalar_type() == torch::kLong &&
+              topk_ids.size(0) == x.size(0));
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() && topk_weights.is_contiguous() &&
+              topk_weights.scalar_type() == torch::kFloat);
+  const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1), Hp = round_up(H, kAmxK);
+  TORCH_CHECK(w13.dim() == 5 && w13.is_contiguous() && w13.scalar_type() == torch::kBFloat16 &&
+              w13.size(2) * 2 == Hp && w13.size(3) == kP && w13.size(4) == 2, "w13: [E, Ip/16, Hp/2, 32, 2] bf16");
+  const int64_t E = w13.size(0), P13 = w13.size(1), Ip = P13 * kHalfP, P2 = (H + kP - 1) / kP;
+  TORCH_CHECK(Ip % kAmxK == 0 && w2.dim() == 5 && w2.is_contiguous() && w2.scalar_type() == torch::kBFloat16 &&
+              w2.size(0) == E && w2.size(1) == P2 && w2.size(2) * 2 == Ip && w2.size(3) == kP && w2.size(4) == 2,
+              "w2: [E, ceil(H/32), Ip/2, 32, 2] bf16, Ip a multiple of 32");
+  if (T == 0) return;
+  bool amx = false;
+#ifdef PS_AMX
+  amx = use_amx && amx_usable();
+#endif
+  (void)use_amx;
+
+  const Routes routes = group_by_expert(topk_ids.data_ptr<int64_t>(), T, K, expert_start, E);
+  // Expert e's rows start at at[e] in the gathered buffers, each group padded to a multiple of 16 rows.
+  std::vector<int64_t> at(E + 1, 0), token_at;
+  for (int64_t e = 0; e < E; ++e) at[e + 1] = at[e] + round_up(routes.start[e + 1] - routes.start[e], kGroup);
+  const int64_t R = at[E];
+  bf16_t* y = mut_ptr<bf16_t>(out);
+  if (R == 0) {
+    std::fill(y, y + T * H, bf16_t(0));
+    return;
+  }
+  token_at.assign(R, -1);
+  for (const int64_t e : routes.active)
+    for (int64_t r = routes.start[e]; r < routes.start[e + 1]; ++r) token_at[at[e] + r - routes.start[e]] = routes.token[r];
+  auto rows_of = [&](int64_t e) { return amx ? at[e + 1] - at[e] : routes.start[e + 1] - routes.start[e]; };
+
+  const bf16_t* xp = ptr<bf16_t>(x);
+  std::unique_ptr<bf16_t[]> xs(new bf16_t[R * Hp]), act(new bf16_t[R * Ip]);
+  parallel_for(0, R, std::max<int64_t>(1, 8192 / Hp), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      bf16_t* row = xs.get() + r * Hp;
+      const int64_t copied = token_at[r] < 0 ? 0 : H;
+      if (copied) std::memcpy(row, xp + token_at[r] * H, H * sizeof(bf16_t));
+      std::fill(row + copied, row + Hp, bf16_t(0));
+    }
+  });
+
+  // 1. act = SiLU(x W_gate^T) * (x W_up^T), per active expert and w13 panel.
+  const bf16_t* wp13 = ptr<bf16_t>(w13);
+  const int64_t active = int64_t(routes.active.size());
+  run_items(active * P13, amx, [&](int64_t item) {
+    const int64_t e = routes.active[item / P13], q = item % P13, rows = rows_of(e);
+    float* gate_up = scratch(round_up(rows, kGroup) * kP);
+    panel_product(xs.get() + at[e] * Hp, Hp, rows, wp13 + (e * P13 + q) * Hp * kP, Hp, amx, gate_up);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 g = round_trip_bf16(_mm512_loadu_ps(gate_up + r * kP));
+      const __m512 u = round_trip_bf16(_mm512_loadu_ps(gate_up + r * kP + kHalfP));
+      const __m512 a = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), (__m512)exp16v((f32x16)_mm512_sub_ps(_mm512_setzero_ps(), g)))), u);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(act.get() + (at[e] + r) * Ip + q * kHalfP),
+                          (__m256i)_mm512_cvtneps_pbh(a));
+    }
+  });
+
+  // 2. out[t] = sum_k weight[t, k] * (act[row(t, k)] W_down^T), per panel of 32 output features.
+  std::vector<int64_t> row_at(T * K, -1);  // the gathered row of (t, k), or -1
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int64_t r = routes.row_of[i];
+    if (r < 0) continue;
+    const int64_t e = topk_ids.data_ptr<int64_t>()[i] - expert_start;
+    row_at[i] = at[e] + r - routes.start[e];
+  }
+  const bf16_t* wp2 = ptr<bf16_t>(w2);
+  const float* weights = topk_weights.data_ptr<float>();
+  run_items(P2, amx, [&](int64_t p) {
+    float* down = scratch(R * kP);
+    for (const int64_t e : routes.active)
+      panel_product(act.get() + at[e] * Ip, Ip, rows_of(e), wp2 + (e * P2 + p) * Ip * kP, Ip, amx, down + at[e] * kP);
+    const int64_t n0 = p * kP, ncols = std::min(kP, H - n0);
+    const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (1u << ncols) - 1;
+    const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0;
+    for (int64_t t = 0; t < T; ++t) {
+      __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = row_at[t * K + k];
+        if (r < 0) continue;
+        const __m512 w = _mm512_set1_ps(weights[t * K + k]);
+        s0 = _mm512_add_ps(s0, _mm512_mul_ps(round_trip_bf16(_mm512_loadu_ps(down + r * kP)), w));
+        s1 = _mm512_add_ps(s1, _mm512_mul_ps(round_trip_bf16(_mm512_loadu_ps(down + r * kP + 16)), w));
+      }
+      _mm256_mask_storeu_epi16(y + t * H + n0, m0, (__m256i)_mm512_cvtneps_pbh(s0));
+      if (m1) _mm256_mask_storeu_epi16(y + t * H + n0 + 16, m1, (__m256i)_mm512_cvtneps_pbh(s1));
+    }
+  });
+}
+
+bool moe_bf16_built() { return true; }
+
+}  // namespace ps
+#else
+namespace ps {
+void moe_bf16(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
+              bool) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+bool moe_bf16_built() { return false; }
+}  // namespace ps
+#endif
