@@ -105,6 +105,9 @@ class KernelBackend:
         return torch_ref.sample_rows(logits, temperature, top_k, top_p, min_p, uniform, greedy)
 
     # ---- mixture of experts ------------------------------------------------------------------
+    def select_experts(self, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch_ref.ExpertRouting:
+        return torch_ref.select_experts(router_logits, top_k, renormalize)
+
     def moe_experts(self, block: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor) -> torch.Tensor:
         """This rank's share of a MoE layer (``torch_ref.fused_moe``): here the block's own loop over its local

@@ -17,6 +17,8 @@ pair per layer). Caches of any other dtype ignore the scales.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -323,6 +325,22 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """The first index of each row's maximum of ``x [B, V]``."""
     return x.argmax(dim=1)
+
+
+@dataclass
+class ExpertRouting:
+    weights: torch.Tensor  # [tokens, top_k] float32
+    experts: torch.Tensor  # [tokens, top_k] int64, in order of decreasing weight
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> ExpertRouting:
+    """A MoE router's choice: softmax over all experts in fp32, then top-k; ``renormalize`` rescales the k weights
+    to sum to 1 (Mixtral always, which equals a softmax over the top-k logits; Qwen3-MoE when ``norm_topk_prob``)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ExpertRouting(weights, experts)
 
 
 def fused_moe(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], topk_ids: torch.Tensor,

@@ -121,6 +121,12 @@ class CpuBackend(KernelBackend):
         return super().sample_rows(logits, temperature, top_k, top_p, min_p, uniform, greedy)
 
     # ---- mixture of experts ------------------------------------------------------------------
+    def select_experts(self, router_logits, top_k, renormalize):
+        if moe.routing_supported(router_logits, top_k):
+            return moe.select_experts(router_logits, top_k, renormalize)
+        self._outside("select_experts", router_logits)
+        return super().select_experts(router_logits, top_k, renormalize)
+
     def moe_experts(self, block, x, topk_ids, topk_weights):
         """One C++ call where packing gave the block fused-MoE panels (``worker/cpu/moe_packing.py``), else the
         block's loop over its experts."""

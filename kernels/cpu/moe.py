@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels import torch_ref
 from pagedserve.kernels.cpu import extension as cpu_extension
 from pagedserve.kernels.cpu import gemm_bf16
 from pagedserve.kernels.cpu.gemm import PANEL
@@ -56,6 +57,19 @@ def pack_experts(gate_up: list[torch.Tensor], down: list[torch.Tensor], expert_s
         rows[:hidden] = d
         w2[e] = rows.view(p2, PANEL, inter).transpose(1, 2)
     return MoePanels(w13, w2, inter, expert_start)
+
+
+def routing_supported(router_logits: torch.Tensor, top_k: int) -> bool:
+    return (router_logits.dim() == 2 and router_logits.dtype in (torch.float32, torch.bfloat16)
+            and router_logits.stride(-1) == 1 and 1 <= top_k <= router_logits.shape[-1])
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch_ref.ExpertRouting:
+    """``torch_ref.select_experts`` in one C++ call (no torch op, so no OpenMP region between the layer's kernels)."""
+    weights = torch.empty(router_logits.shape[0], top_k, dtype=torch.float32)
+    experts = torch.empty(router_logits.shape[0], top_k, dtype=torch.int64)
+    cpu_extension.load().select_experts(router_logits, top_k, renormalize, weights, experts)
+    return torch_ref.ExpertRouting(weights, experts)
 
 
 def supported(x: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ from pagedserve.kernels import torch_ref
 from pagedserve.kernels.cpu import extension as cpu_extension
 from pagedserve.kernels.cpu import moe
 from pagedserve.tests.unit.test_moe import HIDDEN, _block
+from pagedserve.tests.utils import cpu_backend
 from pagedserve.worker.cpu.moe_packing import pack_moe_experts
 
 pytestmark = [pytest.mark.skipif(not cpu_extension.available(), reason="the C++ extension does not build here"),
@@ -148,3 +149,33 @@ def test_a_bf16_packed_block_equals_its_per_expert_loop():
     got = block(x).float()
     assert ((got - expected).abs() / (expected.abs().amax(-1, keepdim=True) + 1e-3)).max() < 2 ** -6
     assert block(torch.empty(0, HIDDEN, dtype=torch.bfloat16)).shape == (0, HIDDEN)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts, k, renormalize", [(8, 2, True), (128, 8, False), (60, 4, True), (5, 5, False)])
+def test_routing_kernel_equals_the_spec(dtype, experts, k, renormalize):
+    """The same top-k logits and weights as torch_ref.select_experts; where bf16 logits tie, torch.topk's order is
+    its algorithm's, the kernel's the lower id first: the chosen logits' values agree whatever the order."""
+    logits = torch.randn(300, experts, generator=torch.Generator().manual_seed(experts)).to(dtype)
+    expected = torch_ref.select_experts(logits, k, renormalize)
+    got = moe.select_experts(logits, k, renormalize)
+    assert got.experts.dtype == torch.int64 and got.weights.dtype == torch.float32
+    assert torch.equal(logits.gather(1, got.experts), logits.gather(1, expected.experts))
+    if dtype == torch.float32:  # no ties
+        assert torch.equal(got.experts, expected.experts)
+    torch.testing.assert_close(got.weights, expected.weights, rtol=1e-6, atol=1e-7)
+    ties = (logits.gather(1, got.experts)[:, 1:] == logits.gather(1, got.experts)[:, :-1])
+    rows, cols = ties.nonzero(as_tuple=True)
+    assert (got.experts[rows, cols] < got.experts[rows, cols + 1]).all()
+
+
+def test_the_cpu_backend_routes_in_its_kernel_and_falls_back_outside_it(caplog):
+    backend = cpu_backend()
+    logits = torch.randn(4, 8)
+    torch.testing.assert_close(backend.select_experts(logits, 2, True).weights,
+                               torch_ref.select_experts(logits, 2, True).weights)
+    half = logits.half()  # no kernel for fp16 logits: the spec, logged once
+    with caplog.at_level("INFO"):
+        got = backend.select_experts(half, 2, True)
+    assert torch.equal(got.experts, torch_ref.select_experts(half, 2, True).experts)
+    assert "select_experts runs the torch reference" in caplog.text

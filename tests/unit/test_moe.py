@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.torch_ref import select_experts
 from pagedserve.tests.utils import load_as_rank
 from pagedserve.worker import parallel_state
 from pagedserve.worker.cpu.decoder_layer import CPUDecoderLayers
-from pagedserve.worker.layers.moe import SparseMoeBlock, local_experts, select_experts
+from pagedserve.worker.layers.moe import SparseMoeBlock, local_experts
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")  # layers run alone, on the C++ kernels
 

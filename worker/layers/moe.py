@@ -14,7 +14,6 @@ order and summed over the k choices: one Python iteration per local expert, none
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,22 +29,6 @@ def local_experts(num_experts: int, tp_rank: int, tp_size: int) -> range:
     base, extra = divmod(num_experts, tp_size)
     start = tp_rank * base + min(tp_rank, extra)
     return range(start, start + base + (tp_rank < extra))
-
-
-@dataclass
-class Routing:
-    weights: torch.Tensor  # [tokens, top_k] float32
-    experts: torch.Tensor  # [tokens, top_k] int64
-
-
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
-    """Softmax over all experts in fp32, then top-k; ``renormalize`` rescales the k weights to sum to 1 (Mixtral
-    always, which equals a softmax over the top-k logits; Qwen3-MoE when ``norm_topk_prob``)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return Routing(weights, experts)
 
 
 class MergedReplicatedLinear(ReplicatedLinear):
@@ -87,7 +70,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleDict({str(e): Expert(hidden_size, intermediate_size) for e in self.expert_ids})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = select_experts(self.gate(x), self.top_k, self.renormalize)
+        routing = current_backend().select_experts(self.gate(x), self.top_k, self.renormalize)
         weights = routing.weights.to(x.dtype).float() if self.round_weights else routing.weights
         return all_reduce(current_backend().moe_experts(self, x, routing.experts, weights))
 

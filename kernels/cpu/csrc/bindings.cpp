@@ -37,6 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias"), pybind11::arg("out"), pybind11::arg("use_amx") = true);
   m.def("gemm_int8_dp_built", &ps::gemm_int8_dp_built, nogil);
   m.def("moe_fp32", &ps::moe_fp32, nogil);
+  m.def("select_experts", &ps::select_experts, nogil);
   m.def("moe_bf16", &ps::moe_bf16, nogil, pybind11::arg("x"), pybind11::arg("topk_ids"), pybind11::arg("topk_weights"),
         pybind11::arg("expert_start"), pybind11::arg("w13"), pybind11::arg("w2"), pybind11::arg("out"),
         pybind11::arg("use_amx") = true);

@@ -135,6 +135,53 @@ Routes group_by_expert(const int64_t* ids, int64_t T, int64_t K, int64_t expert_
   return r;
 }
 
+namespace {
+
+// Rows [b, e) of the router: softmax in fp32 over the E logits, the top k (the softmax is monotonic, so the logits
+// order them as the probabilities do; of equal logits the lower expert id first, where torch.topk's order depends on
+// its algorithm), renormalized where asked.
+template <typename S>
+void route_rows(const S* logits, int64_t ld, int64_t b, int64_t e, int64_t E, int64_t K, bool renormalize, float* w,
+                int64_t* ids) {
+  std::vector<float> v(E);
+  std::vector<char> taken(E);
+  for (int64_t t = b; t < e; ++t) {
+    float m = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < E; ++j) m = std::max(m, v[j] = load1(logits + t * ld + j));
+    for (int64_t j = 0; j < E; ++j) sum += std::exp(v[j] - m);
+    std::fill(taken.begin(), taken.end(), 0);
+    float chosen = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      int64_t best = -1;
+      for (int64_t j = 0; j < E; ++j)
+        if (!taken[j] && (best < 0 || v[j] > v[best])) best = j;
+      taken[best] = 1;
+      ids[t * K + k] = best;
+      chosen += w[t * K + k] = std::exp(v[best] - m) / sum;
+    }
+    for (int64_t k = 0; renormalize && k < K; ++k) w[t * K + k] /= chosen;
+  }
+}
+
+}  // namespace
+
+void select_experts(torch::Tensor logits, int64_t top_k, bool renormalize, torch::Tensor weights, torch::Tensor ids) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits: [T, E], unit stride along E");
+  const int64_t T = logits.size(0), E = logits.size(1), K = top_k;
+  TORCH_CHECK(K >= 1 && K <= E, "top_k in [1, number of experts]");
+  TORCH_CHECK(weights.is_contiguous() && weights.scalar_type() == torch::kFloat && weights.size(0) == T &&
+              weights.size(1) == K && ids.is_contiguous() && ids.scalar_type() == torch::kLong &&
+              ids.sizes() == weights.sizes());
+  float* w = weights.data_ptr<float>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  PS_DISPATCH(logits.scalar_type(), [&] {
+    const scalar* l = ptr<scalar>(logits);
+    parallel_for(0, T, std::max<int64_t>(1, 8192 / E), [&](int64_t b, int64_t e) {
+      route_rows(l, logits.stride(0), b, e, E, K, renormalize, w, id);
+    });
+  });
+}
+
 void moe_fp32(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weights, int64_t expert_start,
               torch::Tensor w13, torch::Tensor w2, int64_t intermediate_size, torch::Tensor out) {
   if (w13.scalar_type() == torch::kBFloat16) {

@@ -17,6 +17,10 @@ struct Routes {
 // For topk_ids [T, K] (global ids) and this rank's experts [expert_start, expert_start + E).
 Routes group_by_expert(const int64_t* ids, int64_t T, int64_t K, int64_t expert_start, int64_t E);
 
+// A MoE router's choice (torch_ref.select_experts) for logits [T, E] fp32 or bf16: weights [T, K] fp32 and ids [T, K]
+// int64, in order of decreasing weight.
+void select_experts(torch::Tensor logits, int64_t top_k, bool renormalize, torch::Tensor weights, torch::Tensor ids);
+
 // x [T, H]; topk_ids [T, K] (global expert ids) and topk_weights [T, K] fp32; this rank holds experts
 // [expert_start, expert_start + E). w13 [E, ceil(I/8), H, 16]: panel q holds gate rows 8q.. 8q+7 in columns 0-7 and
 // up rows 8q.. 8q+7 in columns 8-15 (rows past I zero). w2 [E, ceil(H/16), I, 16]: the down projection's panels.
