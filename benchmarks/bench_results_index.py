@@ -54,6 +54,11 @@ def _serve_vs_vllm(d: dict) -> str:
     return "out tok/s / vLLM's at rate inf, median of pairs: " + "; ".join(out)
 
 
+def _moe(d: dict) -> str:
+    cells = [f"{key.removeprefix('bench-')} {_x(r['ratio'])}" for key, r in (d.get("runs") or {d['model']: d}).items()]
+    return "out tok/s / vLLM's: " + ", ".join(cells)
+
+
 def _vs_vllm(d: dict) -> str:
     by_workload: dict[str, list[dict]] = {}
     for r in d["rows"]:
@@ -163,8 +168,7 @@ HEADLINES = {
     "sharing": _sharing,
     "serve": _serve,
     "fairness": _fairness,
-    "moe": lambda d: f"{_short(d['model'])} out tok/s / vLLM's: {_x(d['ratio'])} "
-                     f"({len(d['all_runs']['pagedserve'])} run)",
+    "moe": _moe,
     "cluster": lambda d: (f"prefix-aware / least-loaded: {_x(d['summary']['throughput_vs_least_loaded'])} out tok/s, "
                           f"TTFT p50 {_x(d['summary']['ttft_p50_vs_least_loaded'])}"),
     "tp": lambda d: ("TP=2 / TP=1 out tok/s: "

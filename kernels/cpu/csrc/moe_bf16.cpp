@@ -36,37 +36,44 @@ struct GatheredRows {
 };
 
 template <int MR>
-void dp_rows(const bf16_t* x, int64_t ldx, const bf16_t* panel, int64_t K2, float* y) {
+void dp_rows(const bf16_t* x, int64_t ldx, const bf16_t* panel, int64_t K2, const bf16_t* pf, int64_t pf_lines,
+             float* y) {
   __m512 a0[MR], a1[MR];
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-  dp_accumulate<MR>(a0, a1, x, ldx, panel, K2, nullptr, 0);
+  dp_accumulate<MR>(a0, a1, x, ldx, panel, K2, pf, pf_lines);
   for (int r = 0; r < MR; ++r) {
     _mm512_storeu_ps(y + r * kP, a0[r]);
     _mm512_storeu_ps(y + r * kP + 16, a1[r]);
   }
 }
-using DpRowsFn = void (*)(const bf16_t*, int64_t, const bf16_t*, int64_t, float*);
+using DpRowsFn = void (*)(const bf16_t*, int64_t, const bf16_t*, int64_t, const bf16_t*, int64_t, float*);
 constexpr DpRowsFn kDpRows[kTileRows + 1] = {nullptr,     dp_rows<1>,  dp_rows<2>, dp_rows<3>, dp_rows<4>,
                                              dp_rows<5>,  dp_rows<6>,  dp_rows<7>, dp_rows<8>, dp_rows<9>,
                                              dp_rows<10>, dp_rows<11>, dp_rows<12>};
 
-// y [rows, 32] fp32 = `rows` rows of x (ldx apart, K columns) times one panel [K/2, 32, 2]. On AMX, rows is a
-// multiple of 16 and K of 32, and this thread has the tile config loaded.
-void panel_product(const bf16_t* x, int64_t ldx, int64_t rows, const bf16_t* panel, int64_t K, bool amx, float* y) {
+// y [rows, 32] fp32 = `rows` rows of x (ldx apart, K columns) times one panel [K/2, 32, 2], prefetching the panel
+// `next` (of the same size; or null) into L2 alongside: the next panel a thread runs is rarely the next one in memory
+// (another expert's, or past the other thread's), so the hardware prefetchers would stall at each panel's start. On
+// AMX, rows is a multiple of 16 and K of 32, and this thread has the tile config loaded.
+void panel_product(const bf16_t* x, int64_t ldx, int64_t rows, const bf16_t* panel, int64_t K, bool amx,
+                   const bf16_t* next, float* y) {
 #ifdef PS_AMX
   if (amx) {
     const GatheredRows a{x, ldx};
     const PanelSteps b(panel, K);
     for (int64_t m = 0; m < rows; m += 2 * kAmxR)
       amx_rows(a, b, m, std::min(2 * kAmxR, rows - m), nullptr, reinterpret_cast<float(*)[kAmxN]>(y + m * kP),
-               nullptr);
+               m == 0 ? next : nullptr);
     return;
   }
 #endif
   (void)amx;
-  for (int64_t m = 0; m < rows;) {
+  int64_t tiles = 0;
+  for (int64_t m = 0; m < rows; m += next_rows(rows - m, kTileRows)) ++tiles;
+  for (int64_t m = 0, t = 0; m < rows; ++t) {
     const int64_t mr = next_rows(rows - m, kTileRows);
-    kDpRows[mr](x + m * ldx, ldx, panel, K / 2, y + m * kP);
+    const PrefetchShare share(next, K * kP * int64_t(sizeof(bf16_t)) / 64, t, tiles);
+    kDpRows[mr](x + m * ldx, ldx, panel, K / 2, share.from, share.lines, y + m * kP);
     m += mr;
   }
 }
@@ -82,17 +89,22 @@ float* scratch(int64_t n) {
   return buf.data();
 }
 
-// item(i) for i in [0, n) on the pool's threads, claimed one at a time, each thread with the tile config loaded
-// where `amx`.
+// item(i, next) for i in [0, n) on the pool's threads, in chunks of consecutive items (ChunkQueue), each thread
+// with the tile config loaded where `amx`; next: the item this thread runs after i, or -1.
 template <typename Item>
 void run_items(int64_t n, bool amx, const Item& item) {
-  std::atomic<int64_t> next{0};
-  run_parallel(std::min(kernel_threads(), n), [&] {
+  const int64_t threads = std::min(kernel_threads(), n);
+  ChunkQueue queue(n, threads);
+  run_parallel(threads, [&] {
 #ifdef PS_AMX
     const TileConfig cfg(kAmxR);
     if (amx) _tile_loadconfig(&cfg);
 #endif
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) item(i);
+    for (auto cur = queue.claim(); cur.first < n;) {
+      const auto next = queue.claim();
+      for (int64_t i = cur.first; i < cur.second; ++i) item(i, i + 1 < cur.second ? i + 1 : next.first < n ? next.first : -1);
+      cur = next;
+    }
 #ifdef PS_AMX
     if (amx) _tile_release();
 #endif
@@ -153,10 +165,12 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
   // 1. act = SiLU(x W_gate^T) * (x W_up^T), per active expert and w13 panel.
   const bf16_t* wp13 = ptr<bf16_t>(w13);
   const int64_t active = int64_t(routes.active.size());
-  run_items(active * P13, amx, [&](int64_t item) {
+  auto w13_panel = [&](int64_t item) { return wp13 + (routes.active[item / P13] * P13 + item % P13) * Hp * kP; };
+  run_items(active * P13, amx, [&](int64_t item, int64_t next) {
     const int64_t e = routes.active[item / P13], q = item % P13, rows = rows_of(e);
     float* gate_up = scratch(round_up(rows, kGroup) * kP);
-    panel_product(xs.get() + at[e] * Hp, Hp, rows, wp13 + (e * P13 + q) * Hp * kP, Hp, amx, gate_up);
+    panel_product(xs.get() + at[e] * Hp, Hp, rows, w13_panel(item), Hp, amx, next < 0 ? nullptr : w13_panel(next),
+                  gate_up);
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 g = round_trip_bf16(_mm512_loadu_ps(gate_up + r * kP));
       const __m512 u = round_trip_bf16(_mm512_loadu_ps(gate_up + r * kP + kHalfP));
@@ -176,10 +190,16 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
   }
   const bf16_t* wp2 = ptr<bf16_t>(w2);
   const float* weights = topk_weights.data_ptr<float>();
-  run_items(P2, amx, [&](int64_t p) {
+  auto w2_panel = [&](int64_t e, int64_t p) { return wp2 + (e * P2 + p) * Ip * kP; };
+  run_items(P2, amx, [&](int64_t p, int64_t next) {
     float* down = scratch(R * kP);
-    for (const int64_t e : routes.active)
-      panel_product(act.get() + at[e] * Ip, Ip, rows_of(e), wp2 + (e * P2 + p) * Ip * kP, Ip, amx, down + at[e] * kP);
+    for (int64_t i = 0; i < active; ++i) {
+      const int64_t e = routes.active[i];
+      const bf16_t* pf = i + 1 < active ? w2_panel(routes.active[i + 1], p)
+                         : next >= 0    ? w2_panel(routes.active[0], next)
+                                        : nullptr;
+      panel_product(act.get() + at[e] * Ip, Ip, rows_of(e), w2_panel(e, p), Ip, amx, pf, down + at[e] * kP);
+    }
     const int64_t n0 = p * kP, ncols = std::min(kP, H - n0);
     const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (1u << ncols) - 1;
     const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0;
