@@ -6,8 +6,9 @@ all-reduce, so each rank runs its experts on the tokens routed to them and the p
 one all-reduce of [tokens, hidden] per MoE layer: the same traffic as a row-parallel linear. An all-to-all
 dispatch would only pay once tokens are sharded across ranks (data-parallel attention), which they are not here.
 
-The kernel backend runs the experts (``moe_experts``): on CPU with fp32 experts, one C++ call per layer on weights
-packed at load (``kernels/cpu/moe.py``); otherwise ``run_experts`` here, where the (token, expert) pairs are sorted
+The kernel backend routes (``select_experts``) and runs the experts (``moe_experts``): on CPU with fp32 experts, or
+bf16 ones where the CPU has AVX512-BF16, one C++ call per layer on weights packed at load (``kernels/cpu/moe.py``);
+otherwise ``run_experts`` here, where the (token, expert) pairs are sorted
 by expert, each local expert runs one GEMM on its contiguous slice, and the weighted results are put back in token
 order and summed over the k choices: one Python iteration per local expert, none per token.
 """
