@@ -38,6 +38,7 @@ from bench_roofline import read_bandwidth
 from bench_vs_vllm import VLLM_PYTHON, run_pagedserve, run_vllm
 
 from pagedserve.kernels.cpu import moe as cpu_moe
+from pagedserve.worker.cpu.hugepages import empty_huge_pages
 
 # Mixtral's layout at a CPU-benchmark size: 8 experts, top-2, ~0.2B parameters (~50M active per token).
 MOE_CONFIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
@@ -74,14 +75,17 @@ def expert_shape(config: dict) -> tuple[int, int, int, int]:
 
 
 def layer_probe(config: dict, tokens: int, cache_bytes: int = 1 << 30, repeat: int = 3) -> dict:
-    """One bf16 MoE layer of the config's shape on the fused kernel, over copies of its weights that together exceed
-    ``cache_bytes``: the median time per layer and the active experts' bytes read per second."""
+    """One bf16 MoE layer of the config's shape on the fused kernel, over copies of its weights (on huge pages, as the
+    worker packs them) that together exceed ``cache_bytes``: the median time per layer and the active experts' bytes
+    read per second."""
     hidden, inter, experts, top_k = expert_shape(config)
     layer_bytes = experts * 3 * hidden * inter * 2
     gen = torch.Generator().manual_seed(0)
     one = cpu_moe.pack_experts_bf16([torch.randn(2 * inter, hidden, generator=gen).bfloat16() for _ in range(experts)],
-                                    [torch.randn(hidden, inter, generator=gen).bfloat16() for _ in range(experts)], 0)
-    copies = [one] + [cpu_moe.MoeBF16Panels(one.w13.clone(), one.w2.clone(), 0)
+                                    [torch.randn(hidden, inter, generator=gen).bfloat16() for _ in range(experts)], 0,
+                                    empty_huge_pages)
+    copies = [one] + [cpu_moe.MoeBF16Panels(empty_huge_pages(one.w13.shape, one.w13.dtype).copy_(one.w13),
+                                            empty_huge_pages(one.w2.shape, one.w2.dtype).copy_(one.w2), 0)
                       for _ in range(-(-cache_bytes // layer_bytes))]
     x = torch.randn(tokens, hidden, generator=gen).bfloat16()
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])

@@ -7,6 +7,7 @@ MoE layer is bound by. bf16 activations (``csrc/moe_bf16.cpp``, CPUs with AVX512
 panels, run on AMX tiles where the CPU has them."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,19 +37,26 @@ class MoeBF16Panels:
     expert_start: int
 
 
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
 def exact_in_bf16(weights: list[torch.Tensor]) -> bool:
     """Whether every value is a bf16 number (as in a bf16 checkpoint), so bf16 panels hold them exactly."""
     return all(torch.equal(w.to(torch.bfloat16).to(w.dtype), w) for w in weights)
 
 
 def pack_experts(gate_up: list[torch.Tensor], down: list[torch.Tensor], expert_start: int,
-                 dtype: torch.dtype = torch.float32) -> MoePanels:
+                 dtype: torch.dtype = torch.float32, empty: Empty = _empty) -> MoePanels:
     """``gate_up [2I, H]`` and ``down [H, I]`` of experts ``expert_start, expert_start + 1, ...`` in ``dtype`` panels
-    (float32, or bfloat16 where :func:`exact_in_bf16`)."""
+    (float32, or bfloat16 where :func:`exact_in_bf16`), in tensors from ``empty(shape, dtype)``."""
     hidden, inter = down[0].shape
     p13, p2 = -(-inter // HALF), -(-hidden // PANEL)
-    w13 = torch.empty(len(gate_up), p13, hidden, PANEL, dtype=dtype)
-    w2 = torch.empty(len(down), p2, inter, PANEL, dtype=dtype)
+    w13 = empty((len(gate_up), p13, hidden, PANEL), dtype)
+    w2 = empty((len(down), p2, inter, PANEL), dtype)
     for e, (gu, d) in enumerate(zip(gate_up, down)):
         halves = torch.zeros(2, p13 * HALF, hidden, dtype=torch.float32)
         halves[0, :inter], halves[1, :inter] = gu[:inter], gu[inter:]
@@ -95,14 +103,16 @@ def _padded(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
-def pack_experts_bf16(gate_up: list[torch.Tensor], down: list[torch.Tensor], expert_start: int) -> MoeBF16Panels:
+def pack_experts_bf16(gate_up: list[torch.Tensor], down: list[torch.Tensor], expert_start: int,
+                      empty: Empty = _empty) -> MoeBF16Panels:
     """bf16 ``gate_up [2I, H]`` and ``down [H, I]`` of experts ``expert_start, ...`` in the bf16 kernel's panels:
-    any H and I (zero-padded to whole AMX k steps)."""
+    any H and I (zero-padded to whole AMX k steps), in tensors from ``empty(shape, dtype)`` (the worker's: on huge
+    pages)."""
     hidden, inter = down[0].shape
     hp, ip = -(-hidden // PANEL_K) * PANEL_K, -(-inter // PANEL_K) * PANEL_K
     p2 = -(-hidden // gemm_bf16.PANEL)
-    w13 = torch.empty(len(gate_up), ip // HALF_BF16, hp // 2, gemm_bf16.PANEL, 2, dtype=torch.bfloat16)
-    w2 = torch.empty(len(down), p2, ip // 2, gemm_bf16.PANEL, 2, dtype=torch.bfloat16)
+    w13 = empty((len(gate_up), ip // HALF_BF16, hp // 2, gemm_bf16.PANEL, 2), torch.bfloat16)
+    w2 = empty((len(down), p2, ip // 2, gemm_bf16.PANEL, 2), torch.bfloat16)
     for e, (gu, d) in enumerate(zip(gate_up, down)):
         halves = torch.stack([_padded(gu[:inter], ip, hp), _padded(gu[inter:], ip, hp)])  # [2, Ip, Hp]
         interleaved = halves.view(2, ip // HALF_BF16, HALF_BF16, hp).transpose(0, 1).reshape(2 * ip, hp)

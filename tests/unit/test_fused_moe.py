@@ -111,6 +111,7 @@ def _check_bf16(x, w13, w2, ids, weights, start=0):
 @bf16_kernel
 @pytest.mark.parametrize("hidden, inter", [(24, 40), (40, 37), (64, 8), (17, 1), (96, 64)])
 def test_bf16_random_routings_equal_the_spec(hidden, inter):
+    torch.manual_seed(hidden)
     w13, w2 = _experts(6, hidden, inter, seed=hidden)
     for tokens, k in ((1, 2), (7, 3), (33, 2), (5, 6)):
         x = torch.randn(tokens, hidden)
@@ -120,6 +121,7 @@ def test_bf16_random_routings_equal_the_spec(hidden, inter):
 
 @bf16_kernel
 def test_bf16_every_token_to_one_expert_and_experts_with_none():
+    torch.manual_seed(1)
     w13, w2 = _experts(8, 64, 48, seed=1)
     x = torch.randn(50, 64)  # 50 rows on expert 3: AMX row groups of 32 and 16, the last one padded
     _check_bf16(x, w13, w2, torch.full((50, 1), 3), torch.ones(50, 1))
@@ -129,6 +131,7 @@ def test_bf16_every_token_to_one_expert_and_experts_with_none():
 
 @bf16_kernel
 def test_bf16_choices_on_other_ranks_add_nothing():
+    torch.manual_seed(2)
     w13, w2 = _experts(3, 32, 40, seed=2)
     ids = torch.tensor([[0, 1], [4, 9], [5, 6], [2, 8], [6, 4]])
     got = _check_bf16(torch.randn(5, 32), w13, w2, ids, _routing(ids, 3), start=4)

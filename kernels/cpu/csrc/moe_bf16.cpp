@@ -7,8 +7,8 @@
 //     choices summed in fp32 in k order straight into out: no [tokens * k, hidden] buffer, no two threads writing
 //     the same output.
 // Threads take items as they come, so a skewed routing (every token to one expert) still splits that expert's rows.
-// Products run on AMX tiles where the CPU has them (16-row tiles: at decode the tile's unused rows cost cycles the
-// memory-bound pass has to spare), else on vdpbf16ps row tiles. Gate, up and down are rounded to bf16 where the
+// Products run on AMX tiles where the CPU has them (16-row tiles, or at decode short ones of the most rows any
+// expert has), else on vdpbf16ps row tiles. Gate, up and down are rounded to bf16 where the
 // per-expert linears round them, so the layer gives their values up to the order of fp32 sums.
 
 #include "gemm_bf16.h"
@@ -54,7 +54,8 @@ constexpr DpRowsFn kDpRows[kTileRows + 1] = {nullptr,     dp_rows<1>,  dp_rows<2
 // y [rows, 32] fp32 = `rows` rows of x (ldx apart, K columns) times one panel [K/2, 32, 2], prefetching the panel
 // `next` (of the same size; or null) into L2 alongside: the next panel a thread runs is rarely the next one in memory
 // (another expert's, or past the other thread's), so the hardware prefetchers would stall at each panel's start. On
-// AMX, rows is a multiple of 16 and K of 32, and this thread has the tile config loaded.
+// AMX, K is a multiple of 32, rows a multiple of 16 or the loaded tile config's short rows (rows of x past an
+// expert's last are zeros), and this thread has that config loaded.
 void panel_product(const bf16_t* x, int64_t ldx, int64_t rows, const bf16_t* panel, int64_t K, bool amx,
                    const bf16_t* next, float* y) {
 #ifdef PS_AMX
@@ -90,14 +91,14 @@ float* scratch(int64_t n) {
 }
 
 // item(i, next) for i in [0, n) on the pool's threads, in chunks of consecutive items (ChunkQueue), each thread
-// with the tile config loaded where `amx`; next: the item this thread runs after i, or -1.
+// with the tile config for `tile_rows` rows loaded where `amx`; next: the item this thread runs after i, or -1.
 template <typename Item>
-void run_items(int64_t n, bool amx, const Item& item) {
+void run_items(int64_t n, bool amx, int64_t tile_rows, const Item& item) {
   const int64_t threads = std::min(kernel_threads(), n);
   ChunkQueue queue(n, threads);
   run_parallel(threads, [&] {
 #ifdef PS_AMX
-    const TileConfig cfg(kAmxR);
+    const TileConfig cfg(tile_rows);
     if (amx) _tile_loadconfig(&cfg);
 #endif
     for (auto cur = queue.claim(); cur.first < n;) {
@@ -110,6 +111,7 @@ void run_items(int64_t n, bool amx, const Item& item) {
 #endif
   });
   (void)amx;
+  (void)tile_rows;
 }
 
 }  // namespace
@@ -149,7 +151,15 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
   token_at.assign(R, -1);
   for (const int64_t e : routes.active)
     for (int64_t r = routes.start[e]; r < routes.start[e + 1]; ++r) token_at[at[e] + r - routes.start[e]] = routes.token[r];
-  auto rows_of = [&](int64_t e) { return amx ? at[e + 1] - at[e] : routes.start[e + 1] - routes.start[e]; };
+  // AMX runs whole 16-row tiles, or, where no expert has 16 rows (decode), short tiles of the most any has: a
+  // tile's multiply takes cycles by its rows, and short ones streamed the weights ~10% faster.
+  int64_t most = 0;
+  for (const int64_t e : routes.active) most = std::max(most, routes.start[e + 1] - routes.start[e]);
+  const int64_t tile_rows = std::min(most, kGroup);
+  auto rows_of = [&](int64_t e) {
+    if (!amx) return routes.start[e + 1] - routes.start[e];
+    return tile_rows < kGroup ? tile_rows : at[e + 1] - at[e];
+  };
 
   const bf16_t* xp = ptr<bf16_t>(x);
   std::unique_ptr<bf16_t[]> xs(new bf16_t[R * Hp]), act(new bf16_t[R * Ip]);
@@ -166,7 +176,7 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
   const bf16_t* wp13 = ptr<bf16_t>(w13);
   const int64_t active = int64_t(routes.active.size());
   auto w13_panel = [&](int64_t item) { return wp13 + (routes.active[item / P13] * P13 + item % P13) * Hp * kP; };
-  run_items(active * P13, amx, [&](int64_t item, int64_t next) {
+  run_items(active * P13, amx, tile_rows, [&](int64_t item, int64_t next) {
     const int64_t e = routes.active[item / P13], q = item % P13, rows = rows_of(e);
     float* gate_up = scratch(round_up(rows, kGroup) * kP);
     panel_product(xs.get() + at[e] * Hp, Hp, rows, w13_panel(item), Hp, amx, next < 0 ? nullptr : w13_panel(next),
@@ -191,7 +201,7 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
   const bf16_t* wp2 = ptr<bf16_t>(w2);
   const float* weights = topk_weights.data_ptr<float>();
   auto w2_panel = [&](int64_t e, int64_t p) { return wp2 + (e * P2 + p) * Ip * kP; };
-  run_items(P2, amx, [&](int64_t p, int64_t next) {
+  run_items(P2, amx, tile_rows, [&](int64_t p, int64_t next) {
     float* down = scratch(R * kP);
     for (int64_t i = 0; i < active; ++i) {
       const int64_t e = routes.active[i];
