@@ -21,7 +21,8 @@ from torch.utils import cpp_extension
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["attention.cpp", "attention_amx.cpp", "attention_bf16.cpp", "fused.cpp", "gemm.cpp", "gemm_bf16.cpp",
-           "gemm_int8.cpp", "layer.cpp", "moe.cpp", "moe_bf16.cpp", "pool.cpp", "sampling.cpp", "bindings.cpp"]
+           "gemm_int8.cpp", "layer.cpp", "moe.cpp", "moe_bf16.cpp", "pool.cpp", "sampling.cpp", "stream.cpp",
+           "bindings.cpp"]
 # -ffp-contract=fast: a * b + c as one FMA (ISO C++ mode turns contraction off).
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]

@@ -332,3 +332,22 @@ def test_gather_rows_matches_f_embedding(dtype):
     assert torch.equal(cpu_fused.gather_rows(w, ids), F.embedding(ids, w))
     with pytest.raises(IndexError, match="out of range"):
         cpu_fused.gather_rows(w, torch.tensor([5, 1000]))
+
+
+@pytest.mark.skipif(not cpu_extension.available(), reason="the C++ extension does not build here")
+def test_the_read_rate_probe_reads_every_byte():
+    """stream_read returns the xor of the buffer's 32-bit words: a byte changed anywhere (each thread's share, the
+    prefetched tail) changes it."""
+    buf = torch.randint(0, 256, (3 * 4096 * 256 + 256,), dtype=torch.uint8)
+    words = buf.view(torch.int32)
+    expected = 0
+    for w in words.tolist():
+        expected ^= w & 0xFFFFFFFF
+    probe = cpu_extension.load().stream_read
+    assert probe(buf) == expected
+    for i in (0, 4096 * 256 + 7, buf.numel() - 1):
+        buf[i] ^= 0x10
+        assert probe(buf) != expected
+        buf[i] ^= 0x10
+    with pytest.raises(RuntimeError, match="256-byte"):
+        probe(buf[:100])

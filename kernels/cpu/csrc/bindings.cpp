@@ -26,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &ps::apply_token_bitmask, nogil);
   m.def("argmax_rows", &ps::argmax_rows, nogil);
   m.def("gather_rows", &ps::gather_rows, nogil);
+  m.def("stream_read", &ps::stream_read, nogil);
   m.def("sample_rows", &ps::sample_rows, nogil);
   m.def("gemm_packed", &ps::gemm_packed, nogil);
   m.def("gemm_bf16", &ps::gemm_bf16, nogil, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),

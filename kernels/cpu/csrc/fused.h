@@ -16,5 +16,8 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_c
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
 void argmax_rows(torch::Tensor x, torch::Tensor out);
 void gather_rows(torch::Tensor ids, torch::Tensor weight, torch::Tensor out);
+// Reads every byte of a contiguous buffer (whole 256-byte lines) once on the kernels' threads, as fast as the
+// memory gives them; returns their xor, so that no read can be skipped (stream.cpp).
+int64_t stream_read(torch::Tensor buffer);
 
 }  // namespace ps
