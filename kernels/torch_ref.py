@@ -344,16 +344,21 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 
 def fused_moe(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+              topk_weights: torch.Tensor, expert_start: int = 0, w13_scale: list[torch.Tensor] | None = None,
+              w2_scale: list[torch.Tensor] | None = None) -> torch.Tensor:
     """One rank's share of a SwiGLU MoE layer: ``sum_k topk_weights[t, k] * expert(x[t])`` over the choices k whose
     expert is one of this rank's, ``expert_start + i`` for ``w13[i] [2I, H]`` (gate rows, then up rows) and
     ``w2[i] [H, I]``; the others add nothing. Each expert runs once on its tokens (in token order), its outputs
-    weighted in fp32 and summed over k in k order, in x's dtype at the end."""
+    weighted in fp32 and summed over k in k order, in x's dtype at the end. With scales, the weights are int8 and
+    each projection is :func:`int8_linear`."""
+    def linear(h: torch.Tensor, i: int, weights: list[torch.Tensor], scales: list[torch.Tensor] | None):
+        return F.linear(h, weights[i]) if scales is None else int8_linear(h, weights[i], scales[i])
+
     per_choice = torch.zeros(*topk_ids.shape, x.shape[-1], dtype=torch.float32, device=x.device)
-    for i, (gate_up, down) in enumerate(zip(w13, w2)):
+    for i in range(len(w13)):
         tokens, choices = (topk_ids == expert_start + i).nonzero(as_tuple=True)
         if tokens.numel():
-            y = F.linear(silu_and_mul(F.linear(x[tokens], gate_up)), down)
+            y = linear(silu_and_mul(linear(x[tokens], i, w13, w13_scale)), i, w2, w2_scale)
             per_choice[tokens, choices] = y.float() * topk_weights[tokens, choices, None].float()
     out = per_choice[:, 0]
     for k in range(1, topk_ids.shape[1]):

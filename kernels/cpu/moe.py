@@ -14,12 +14,13 @@ import torch
 
 from pagedserve.kernels import torch_ref
 from pagedserve.kernels.cpu import extension as cpu_extension
-from pagedserve.kernels.cpu import gemm_bf16
+from pagedserve.kernels.cpu import gemm_bf16, gemm_int8
 from pagedserve.kernels.cpu.gemm import PANEL
 
 HALF = PANEL // 2  # gate (and up) rows per gate-up panel
 HALF_BF16 = gemm_bf16.PANEL // 2  # the same in a bf16 panel
 PANEL_K = 32  # the bf16 kernel's AMX k step: H and I are padded to whole ones
+_NO_SCALE = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,14 @@ class MoePanels:
 
 @dataclass(frozen=True)
 class MoeBF16Panels:
-    w13: torch.Tensor  # [E, Ip / 16, Hp / 2, 32, 2] bf16 k-pair panels: 16 gate rows, then the same 16 up rows
-    w2: torch.Tensor  # [E, ceil(H / 32), Ip / 2, 32, 2]; Hp, Ip: hidden and intermediate sizes rounded up to 32
+    """Experts for bf16 activations. bf16 experts: k-pair panels. int8 ones: panels of the int8 GEMM's layout
+    ``[K, 32]`` and their per-column scales, in the same column order."""
+
+    w13: torch.Tensor  # [E, Ip / 16, Hp / 2, 32, 2] bf16 or [E, Ip / 16, Hp, 32] int8: 16 gate rows, the same 16 up
+    w2: torch.Tensor  # [E, ceil(H / 32), Ip / 2, 32, 2] or [E, ceil(H / 32), Ip, 32]; Hp, Ip: H and I rounded to 32
     expert_start: int
+    w13_scale: torch.Tensor | None = None  # int8: [E, Ip / 16, 32] fp32
+    w2_scale: torch.Tensor | None = None  # int8: [E, ceil(H / 32), 32] fp32
 
 
 Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
@@ -97,8 +103,8 @@ def bf16_available() -> bool:
     return cpu_extension.available() and cpu_extension.load().moe_bf16_built()
 
 
-def _padded(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    out = torch.zeros(rows, cols, dtype=torch.bfloat16)
+def _padded(w: torch.Tensor, rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    out = torch.zeros(rows, cols, dtype=dtype)
     out[:w.shape[0], :w.shape[1]] = w
     return out
 
@@ -121,6 +127,29 @@ def pack_experts_bf16(gate_up: list[torch.Tensor], down: list[torch.Tensor], exp
     return MoeBF16Panels(w13, w2, expert_start)
 
 
+def pack_experts_int8(gate_up: list[torch.Tensor], gate_up_scale: list[torch.Tensor], down: list[torch.Tensor],
+                      down_scale: list[torch.Tensor], expert_start: int, empty: Empty = _empty) -> MoeBF16Panels:
+    """Weight-only int8 experts (``torch_ref.quantize_int8``: int8 ``gate_up [2I, H]``, ``down [H, I]`` and their
+    per-row fp32 scales) in the int8 GEMM's panels with their scales, for the bf16 kernel: any H and I."""
+    hidden, inter = down[0].shape
+    hp, ip = -(-hidden // PANEL_K) * PANEL_K, -(-inter // PANEL_K) * PANEL_K
+    p13, p2 = ip // HALF_BF16, -(-hidden // gemm_int8.PANEL)
+    w13 = empty((len(gate_up), p13, hp, gemm_int8.PANEL), torch.int8)
+    w2 = empty((len(down), p2, ip, gemm_int8.PANEL), torch.int8)
+    s13 = torch.ones(len(gate_up), p13, gemm_int8.PANEL)
+    s2 = torch.ones(len(down), p2 * gemm_int8.PANEL)
+    for e, (gu, gs, d, ds) in enumerate(zip(gate_up, gate_up_scale, down, down_scale)):
+        halves = torch.stack([_padded(gu[:inter], ip, hp, torch.int8), _padded(gu[inter:], ip, hp, torch.int8)])
+        scales = torch.ones(2, ip)
+        scales[0, :inter], scales[1, :inter] = gs[:inter], gs[inter:]
+        gemm_int8.pack_weight(halves.view(2, p13, HALF_BF16, hp).transpose(0, 1).reshape(2 * ip, hp),
+                              torch.empty(0), w13[e])
+        s13[e] = scales.view(2, p13, HALF_BF16).transpose(0, 1).reshape(p13, gemm_int8.PANEL)
+        gemm_int8.pack_weight(_padded(d, hidden, ip, torch.int8), torch.empty(0), w2[e])
+        s2[e, :hidden] = ds
+    return MoeBF16Panels(w13, w2, expert_start, s13, s2.view(len(down), p2, gemm_int8.PANEL))
+
+
 def bf16_supported(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.dim() == 2
 
@@ -131,5 +160,7 @@ def fused_moe_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     CPU too (tests, benchmarks)."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     cpu_extension.load().moe_bf16(x.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous(),
-                                  panels.expert_start, panels.w13, panels.w2, out, use_amx)
+                                  panels.expert_start, panels.w13, panels.w2, out, use_amx,
+                                  _NO_SCALE if panels.w13_scale is None else panels.w13_scale,
+                                  _NO_SCALE if panels.w2_scale is None else panels.w2_scale)
     return out

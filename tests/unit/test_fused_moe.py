@@ -182,3 +182,45 @@ def test_the_cpu_backend_routes_in_its_kernel_and_falls_back_outside_it(caplog):
         got = backend.select_experts(half, 2, True)
     assert torch.equal(got.experts, torch_ref.select_experts(half, 2, True).experts)
     assert "select_experts runs the torch reference" in caplog.text
+
+
+def _quantized(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    pairs = [torch_ref.quantize_int8(w) for w in weights]
+    return [q for q, _ in pairs], [s for _, s in pairs]
+
+
+@bf16_kernel
+@pytest.mark.parametrize("hidden, inter", [(24, 40), (40, 37), (17, 1), (96, 64)])
+def test_int8_experts_equal_the_spec(hidden, inter):
+    """int8 panels (widened to bf16 a k step at a time on AMX, a panel at a time elsewhere) against the spec's
+    int8 linears, as _check_bf16 measures; a single token, every token to one expert, experts on other ranks."""
+    torch.manual_seed(hidden)
+    w13, w2 = _experts(6, hidden, inter, seed=hidden)
+    (q13, s13), (q2, s2) = _quantized(w13), _quantized(w2)
+    packed = moe.pack_experts_int8(q13, s13, q2, s2, 2)
+    assert packed.w13.dtype == torch.int8 and packed.w13_scale.shape == (6, packed.w13.shape[1], 32)
+    for tokens, k in ((1, 2), (7, 3), (40, 1), (5, 6)):
+        x = torch.randn(tokens, hidden).bfloat16()
+        ids = torch.stack([torch.randperm(10)[:k] for _ in range(tokens)]) if tokens != 40 else torch.full((40, 1), 4)
+        weights = _routing(ids, tokens)
+        expected = torch_ref.fused_moe(x, q13, q2, ids, weights, 2, s13, s2).float()
+        scale = expected.abs().amax(-1, keepdim=True) + 1e-3
+        for amx in (True, False):
+            got = moe.fused_moe_bf16(x, ids, weights, packed, use_amx=amx).float()
+            assert ((got - expected).abs() / scale).max() < 2 ** -6
+
+
+@bf16_kernel
+def test_an_int8_block_packs_for_the_fused_kernel_and_equals_its_per_expert_loop():
+    block = _block(6, 2, True).to(torch.bfloat16)
+    for name, linear in block.named_modules():
+        if name.endswith(("gate_up_proj", "down_proj")):
+            q, s = torch_ref.quantize_int8(linear.weight.detach())
+            linear.weight = torch.nn.Parameter(q, requires_grad=False)
+            linear.weight_scale = torch.nn.Parameter(s, requires_grad=False)
+    x = torch.randn(13, HIDDEN).bfloat16()
+    expected = block(x).float()
+    assert pack_moe_experts(block, panels=False, bf16_panels=True) == 1
+    assert len(block.experts) == 0 and block.moe_panels.w13.dtype == torch.int8
+    got = block(x).float()
+    assert ((got - expected).abs() / (expected.abs().amax(-1, keepdim=True) + 1e-3)).max() < 2 ** -6

@@ -1,8 +1,9 @@
 """Every MoE layer's local experts packed, once after loading, for the fused CPU MoE kernels
 (``kernels/cpu/moe.py``): fp32 experts where the fp32 panel GEMM is the CPU's linear
 (:func:`~pagedserve.worker.cpu.packing.panel_gemm_preferred`), in bf16 panels where every expert value is a bf16
-number (a bf16 checkpoint run in fp32, ``dtype="auto"`` on AVX2); bf16 experts where the bf16 kernel is built
-(AVX512-BF16). int8 experts keep their per-expert linears. The panels replace the experts' weights, on huge pages."""
+number (a bf16 checkpoint run in fp32, ``dtype="auto"`` on AVX2); bf16 experts, and weight-only int8 ones of a
+bf16 model (``quantization="int8"``), where the bf16 kernel is built (AVX512-BF16); int8 experts of an fp32 model
+keep their per-expert linears. The panels replace the experts' weights, on huge pages."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +11,7 @@ import logging
 import torch
 from torch import nn
 
-from pagedserve.kernels.cpu.moe import bf16_available, exact_in_bf16, pack_experts, pack_experts_bf16
+from pagedserve.kernels.cpu.moe import bf16_available, exact_in_bf16, pack_experts, pack_experts_bf16, pack_experts_int8
 from pagedserve.worker.cpu.hugepages import empty_huge_pages
 from pagedserve.worker.cpu.packing import panel_gemm_preferred
 from pagedserve.worker.layers.moe import SparseMoeBlock
@@ -36,6 +37,12 @@ def pack_moe_experts(model: nn.Module, panels: bool | None = None, bf16_panels: 
         if dtypes == {torch.bfloat16} and bf16:
             block.moe_panels = pack_experts_bf16(gate_up, down, block.expert_ids.start, empty_huge_pages)
             kinds.append("bf16 activations")
+        elif dtypes == {torch.int8} and bf16 and block.gate.weight.dtype == torch.bfloat16:  # the router: unquantized
+            scales = ([e.gate_up_proj.weight_scale.detach() for e in experts],
+                      [e.down_proj.weight_scale.detach() for e in experts])
+            block.moe_panels = pack_experts_int8(gate_up, scales[0], down, scales[1], block.expert_ids.start,
+                                                 empty_huge_pages)
+            kinds.append("bf16 activations, int8 experts")
         elif dtypes == {torch.float32} and fp32:
             dtype = torch.bfloat16 if exact_in_bf16(gate_up + down) else torch.float32
             block.moe_panels = pack_experts(gate_up, down, block.expert_ids.start, dtype, empty_huge_pages)

@@ -41,6 +41,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("select_experts", &ps::select_experts, nogil);
   m.def("moe_bf16", &ps::moe_bf16, nogil, pybind11::arg("x"), pybind11::arg("topk_ids"), pybind11::arg("topk_weights"),
         pybind11::arg("expert_start"), pybind11::arg("w13"), pybind11::arg("w2"), pybind11::arg("out"),
-        pybind11::arg("use_amx") = true);
+        pybind11::arg("use_amx"), pybind11::arg("w13_scale"), pybind11::arg("w2_scale"));
   m.def("moe_bf16_built", &ps::moe_bf16_built, nogil);
 }

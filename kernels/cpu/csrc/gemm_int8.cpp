@@ -22,36 +22,15 @@
 
 #include "gemm_int8.h"
 
-#include "gemm_bf16.h"
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define PS_INT8_DP 1
-#endif
 
 namespace ps {
 
-constexpr int64_t kQNR = 32;
 #ifdef __AVX512F__
 constexpr int kQMR = 8;  // 16 accumulators of 32 zmm
 #else
 constexpr int kQMR = 4;  // 8 accumulators of 16 ymm-pairs
 #endif
 constexpr int64_t kQMC = 48;  // rows per block on the FMA path: their fp32 activations stay in L2
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-
-inline f32x16 widen_i8(const int8_t* p) {
-#ifdef __AVX512F__
-  // (GCC turns the generic conversion below into scalar code here)
-  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#else
-  i8x16 b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(__builtin_convertvector(b, i32x16), f32x16);
-#endif
-}
 inline f32x16 splat16(float v) { return f32x16{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
 
 // The 32 columns' scale and bias from column n0 on (ncols of them), zero past ncols.
@@ -168,27 +147,6 @@ void fma_run(const float* x, int64_t ldx, const int8_t* pp, const float* scale, 
 constexpr int kDMR = 12;  // 24 accumulators, as the bf16 panel GEMM
 constexpr int64_t kDMC = 240;
 
-// One int8 panel [K, 32] widened into vdpbf16ps's layout [K / 2, 32, 2] bf16 (exact: bf16 holds every int8).
-inline void widen_panel(const int8_t* p, int64_t K2, bf16_t* w) {
-  for (int64_t kk = 0; kk < K2; ++kk)
-    for (int h = 0; h < 2; ++h) {
-      const f32x16 e = widen_i8(p + 2 * kk * kQNR + 16 * h), o = widen_i8(p + (2 * kk + 1) * kQNR + 16 * h);
-      u32x16 ue, uo;
-      std::memcpy(&ue, &e, sizeof e);
-      std::memcpy(&uo, &o, sizeof o);
-      const u32x16 pair = uo | (ue >> 16);  // the low 16 bits of both are zero: their bf16 is exact
-      std::memcpy(w + kk * 2 * kQNR + 32 * h, &pair, sizeof pair);
-    }
-}
-
-// A whole panel of K (even) widened into this thread's buffer, which the next call overwrites.
-inline const bf16_t* widened_panel(const int8_t* p, int64_t K) {
-  thread_local std::vector<bf16_t> w;
-  if (static_cast<int64_t>(w.size()) < K * kQNR) w.resize(K * kQNR);
-  widen_panel(p, K / 2, w.data());
-  return w.data();
-}
-
 // pf: where to prefetch pf_lines cache lines (into L2) alongside; or null.
 template <int MR, typename B, typename Out>
 void dp_tile(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K2, Out* y, int64_t ldy, int64_t ncols,
@@ -227,30 +185,6 @@ void dp_run(const bf16_t* x, int64_t ldx, const int8_t* pp, const float* scale, 
 
 #ifdef PS_AMX
 constexpr int64_t kAmxMinRows = 4;
-
-// An int8 panel's B tiles widened a k step at a time into a buffer that stays in L1, for units of one row pair
-// (which read each step once): the same bf16 as widen_panel's, without the whole widened panel's trip through L2.
-// Alongside, the step two ahead is fetched into L1 and the same step of the thread's next panel (pf, or null) into
-// L2: decode reads panels from memory, once.
-struct WidenedSteps {
-  const int8_t* p;
-  const int8_t* pf;
-  int64_t K, steps;
-  mutable bf16_t buf[kAmxR * 2 * kAmxN] __attribute__((aligned(64)));
-  WidenedSteps(const int8_t* p_, const int8_t* pf_, int64_t K_)
-      : p(p_), pf(pf_), K(K_), steps((K_ + kAmxK - 1) / kAmxK) {}
-  const bf16_t* step(int64_t t) const {
-    constexpr int64_t bytes = kAmxK * kQNR;
-    for (int64_t i = 0; i < bytes; i += 64) {
-      if (t + 2 < steps) _mm_prefetch(reinterpret_cast<const char*>(p + (t + 2) * bytes + i), _MM_HINT_T0);
-      if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + t * bytes + i), _MM_HINT_T1);
-    }
-    const int64_t pairs = std::min<int64_t>(kAmxR, (K - t * kAmxK) / 2);
-    widen_panel(p + t * kAmxK * kQNR, pairs, buf);
-    if (pairs < kAmxR) std::memset(buf + pairs * 2 * kAmxN, 0, (kAmxR - pairs) * 2 * kAmxN * sizeof(bf16_t));
-    return buf;
-  }
-};
 
 // bf16 rows on AMX: each panel widened as for vdpbf16ps (a step at a time where the unit is one row pair), then
 // amx_rows over it.

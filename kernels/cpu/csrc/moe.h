@@ -31,10 +31,13 @@ void moe_fp32(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
 // The same on bf16 activations x [T, H] and bf16 panels, out [T, H] bf16, on AMX tiles where use_amx and the CPU
 // has them. With Hp = H rounded up to 32 and Ip = I rounded up to 32: w13 [E, Ip/16, Hp/2, 32, 2], k-pair panels
 // (gemm_bf16.h) whose columns 0-15 are gate rows 16q.. 16q+15 and 16-31 the same up rows, zero past I and past H;
-// w2 [E, ceil(H/32), Ip/2, 32, 2], the down projection's panels, zero past I. Raises where built without
+// w2 [E, ceil(H/32), Ip/2, 32, 2], the down projection's panels, zero past I. Or weight-only int8 experts: int8
+// panels of gemm_int8's layout, w13 [E, Ip/16, Hp, 32] and w2 [E, ceil(H/32), Ip, 32], with fp32 per-column scales
+// w13_scale [E, Ip/16, 32] and w2_scale [E, ceil(H/32), 32] (bf16 panels: any, unread). Raises where built without
 // AVX512-BF16 (moe_bf16_built).
 void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weights, int64_t expert_start,
-              torch::Tensor w13, torch::Tensor w2, torch::Tensor out, bool use_amx = true);
+              torch::Tensor w13, torch::Tensor w2, torch::Tensor out, bool use_amx, torch::Tensor w13_scale,
+              torch::Tensor w2_scale);
 bool moe_bf16_built();
 
 }  // namespace ps

@@ -1,4 +1,4 @@
-// The fused MoE layer on bf16 activations: the (token, choice) pairs routed to this rank's experts grouped by expert
+// The fused MoE layer on bf16 activations, on bf16 experts or weight-only int8 ones: the (token, choice) pairs routed to this rank's experts grouped by expert
 // (group_by_expert), each expert's rows gathered and padded with zero rows to a multiple of 16 (an AMX tile), then
 // two parallel passes, each reading every active expert's weights once, whatever the batch:
 //  1. gate+up: one work item per (expert, w13 panel of 16 gate and 16 up rows): the panel product gives both halves
@@ -8,10 +8,12 @@
 //     the same output.
 // Threads take items as they come, so a skewed routing (every token to one expert) still splits that expert's rows.
 // Products run on AMX tiles where the CPU has them (16-row tiles, or at decode short ones of the most rows any
-// expert has), else on vdpbf16ps row tiles. Gate, up and down are rounded to bf16 where the
-// per-expert linears round them, so the layer gives their values up to the order of fp32 sums.
+// expert has), else on vdpbf16ps row tiles. int8 panels are widened to bf16 as the int8 GEMM widens them (exact), a
+// k step at a time on AMX, and their per-channel scales applied to the fp32 sums. Gate, up and down are rounded to
+// bf16 where the per-expert linears round them, so the layer gives their values up to the order of fp32 sums.
 
 #include "gemm_bf16.h"
+#include "gemm_int8.h"
 #include "moe.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -51,6 +53,20 @@ constexpr DpRowsFn kDpRows[kTileRows + 1] = {nullptr,     dp_rows<1>,  dp_rows<2
                                              dp_rows<5>,  dp_rows<6>,  dp_rows<7>, dp_rows<8>, dp_rows<9>,
                                              dp_rows<10>, dp_rows<11>, dp_rows<12>};
 
+// panel_product on vdpbf16ps row tiles over a bf16 panel, prefetching the next panel of W (bf16, or int8: the one
+// to be widened next) alongside, each row tile a share.
+template <typename W>
+void dp_panel(const bf16_t* x, int64_t ldx, int64_t rows, const bf16_t* panel, int64_t K, const W* next, float* y) {
+  int64_t tiles = 0;
+  for (int64_t m = 0; m < rows; m += next_rows(rows - m, kTileRows)) ++tiles;
+  for (int64_t m = 0, t = 0; m < rows; ++t) {
+    const int64_t mr = next_rows(rows - m, kTileRows);
+    const PrefetchShare share(next, K * kP * int64_t(sizeof(W)) / 64, t, tiles);
+    kDpRows[mr](x + m * ldx, ldx, panel, K / 2, share.from, share.lines, y + m * kP);
+    m += mr;
+  }
+}
+
 // y [rows, 32] fp32 = `rows` rows of x (ldx apart, K columns) times one panel [K/2, 32, 2], prefetching the panel
 // `next` (of the same size; or null) into L2 alongside: the next panel a thread runs is rarely the next one in memory
 // (another expert's, or past the other thread's), so the hardware prefetchers would stall at each panel's start. On
@@ -69,14 +85,23 @@ void panel_product(const bf16_t* x, int64_t ldx, int64_t rows, const bf16_t* pan
   }
 #endif
   (void)amx;
-  int64_t tiles = 0;
-  for (int64_t m = 0; m < rows; m += next_rows(rows - m, kTileRows)) ++tiles;
-  for (int64_t m = 0, t = 0; m < rows; ++t) {
-    const int64_t mr = next_rows(rows - m, kTileRows);
-    const PrefetchShare share(next, K * kP * int64_t(sizeof(bf16_t)) / 64, t, tiles);
-    kDpRows[mr](x + m * ldx, ldx, panel, K / 2, share.from, share.lines, y + m * kP);
-    m += mr;
+  dp_panel(x, ldx, rows, panel, K, next, y);
+}
+
+// The same for an int8 panel [K, 32] (next: the next int8 panel), before its scales.
+void panel_product(const bf16_t* x, int64_t ldx, int64_t rows, const int8_t* panel, int64_t K, bool amx,
+                   const int8_t* next, float* y) {
+#ifdef PS_AMX
+  if (amx) {
+    const GatheredRows a{x, ldx};
+    for (int64_t m = 0; m < rows; m += 2 * kAmxR)
+      amx_rows(a, WidenedSteps(panel, m == 0 ? next : nullptr, K), m, std::min(2 * kAmxR, rows - m), nullptr,
+               reinterpret_cast<float(*)[kAmxN]>(y + m * kP), nullptr);
+    return;
   }
+#endif
+  (void)amx;
+  dp_panel(x, ldx, rows, widened_panel(panel, K), K, next, y);
 }
 
 __m512 round_trip_bf16(__m512 v) {
@@ -103,7 +128,8 @@ void run_items(int64_t n, bool amx, int64_t tile_rows, const Item& item) {
 #endif
     for (auto cur = queue.claim(); cur.first < n;) {
       const auto next = queue.claim();
-      for (int64_t i = cur.first; i < cur.second; ++i) item(i, i + 1 < cur.second ? i + 1 : next.first < n ? next.first : -1);
+      for (int64_t i = cur.first; i < cur.second; ++i)
+        item(i, i + 1 < cur.second ? i + 1 : next.first < n ? next.first : -1);
       cur = next;
     }
 #ifdef PS_AMX
@@ -114,43 +140,25 @@ void run_items(int64_t n, bool amx, int64_t tile_rows, const Item& item) {
   (void)tile_rows;
 }
 
-}  // namespace
-
-void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weights, int64_t expert_start,
-              torch::Tensor w13, torch::Tensor w2, torch::Tensor out, bool use_amx) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x: contiguous bf16 [T, H]");
-  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == torch::kBFloat16);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.is_contiguous() && topk_ids.scalar_type() == torch::kLong &&
-              topk_ids.size(0) == x.size(0));
-  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() && topk_weights.is_contiguous() &&
-              topk_weights.scalar_type() == torch::kFloat);
-  const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1), Hp = round_up(H, kAmxK);
-  TORCH_CHECK(w13.dim() == 5 && w13.is_contiguous() && w13.scalar_type() == torch::kBFloat16 &&
-              w13.size(2) * 2 == Hp && w13.size(3) == kP && w13.size(4) == 2, "w13: [E, Ip/16, Hp/2, 32, 2] bf16");
-  const int64_t E = w13.size(0), P13 = w13.size(1), Ip = P13 * kHalfP, P2 = (H + kP - 1) / kP;
-  TORCH_CHECK(Ip % kAmxK == 0 && w2.dim() == 5 && w2.is_contiguous() && w2.scalar_type() == torch::kBFloat16 &&
-              w2.size(0) == E && w2.size(1) == P2 && w2.size(2) * 2 == Ip && w2.size(3) == kP && w2.size(4) == 2,
-              "w2: [E, ceil(H/32), Ip/2, 32, 2] bf16, Ip a multiple of 32");
-  if (T == 0) return;
-  bool amx = false;
-#ifdef PS_AMX
-  amx = use_amx && amx_usable();
-#endif
-  (void)use_amx;
-
-  const Routes routes = group_by_expert(topk_ids.data_ptr<int64_t>(), T, K, expert_start, E);
+// The layer on panels of W (bf16_t or int8_t, with per-column scales s13, s2; null for bf16), after the checks.
+template <typename W>
+void moe_run(const bf16_t* xp, const int64_t* ids, const float* weights, int64_t T, int64_t H, int64_t K,
+             int64_t expert_start, int64_t E, int64_t P13, const W* wp13, const float* s13, const W* wp2,
+             const float* s2, bool amx, bf16_t* y) {
+  const int64_t Hp = round_up(H, kAmxK), Ip = P13 * kHalfP, P2 = (H + kP - 1) / kP;
+  const Routes routes = group_by_expert(ids, T, K, expert_start, E);
   // Expert e's rows start at at[e] in the gathered buffers, each group padded to a multiple of 16 rows.
   std::vector<int64_t> at(E + 1, 0), token_at;
   for (int64_t e = 0; e < E; ++e) at[e + 1] = at[e] + round_up(routes.start[e + 1] - routes.start[e], kGroup);
   const int64_t R = at[E];
-  bf16_t* y = mut_ptr<bf16_t>(out);
   if (R == 0) {
     std::fill(y, y + T * H, bf16_t(0));
     return;
   }
   token_at.assign(R, -1);
   for (const int64_t e : routes.active)
-    for (int64_t r = routes.start[e]; r < routes.start[e + 1]; ++r) token_at[at[e] + r - routes.start[e]] = routes.token[r];
+    for (int64_t r = routes.start[e]; r < routes.start[e + 1]; ++r)
+      token_at[at[e] + r - routes.start[e]] = routes.token[r];
   // AMX runs whole 16-row tiles, or, where no expert has 16 rows (decode), short tiles of the most any has: a
   // tile's multiply takes cycles by its rows, and short ones streamed the weights ~10% faster.
   int64_t most = 0;
@@ -161,7 +169,6 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
     return tile_rows < kGroup ? tile_rows : at[e + 1] - at[e];
   };
 
-  const bf16_t* xp = ptr<bf16_t>(x);
   std::unique_ptr<bf16_t[]> xs(new bf16_t[R * Hp]), act(new bf16_t[R * Ip]);
   parallel_for(0, R, std::max<int64_t>(1, 8192 / Hp), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
@@ -173,7 +180,6 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
   });
 
   // 1. act = SiLU(x W_gate^T) * (x W_up^T), per active expert and w13 panel.
-  const bf16_t* wp13 = ptr<bf16_t>(w13);
   const int64_t active = int64_t(routes.active.size());
   auto w13_panel = [&](int64_t item) { return wp13 + (routes.active[item / P13] * P13 + item % P13) * Hp * kP; };
   run_items(active * P13, amx, tile_rows, [&](int64_t item, int64_t next) {
@@ -181,10 +187,13 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
     float* gate_up = scratch(round_up(rows, kGroup) * kP);
     panel_product(xs.get() + at[e] * Hp, Hp, rows, w13_panel(item), Hp, amx, next < 0 ? nullptr : w13_panel(next),
                   gate_up);
+    const float* sc = s13 == nullptr ? nullptr : s13 + (e * P13 + q) * kP;
+    const __m512 sg = sc ? _mm512_loadu_ps(sc) : _mm512_set1_ps(1.f), su = sc ? _mm512_loadu_ps(sc + 16) : sg;
     for (int64_t r = 0; r < rows; ++r) {
-      const __m512 g = round_trip_bf16(_mm512_loadu_ps(gate_up + r * kP));
-      const __m512 u = round_trip_bf16(_mm512_loadu_ps(gate_up + r * kP + kHalfP));
-      const __m512 a = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), (__m512)exp16v((f32x16)_mm512_sub_ps(_mm512_setzero_ps(), g)))), u);
+      const __m512 g = round_trip_bf16(_mm512_mul_ps(_mm512_loadu_ps(gate_up + r * kP), sg));
+      const __m512 u = round_trip_bf16(_mm512_mul_ps(_mm512_loadu_ps(gate_up + r * kP + kHalfP), su));
+      const __m512 e_g = (__m512)exp16v((f32x16)_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 a = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e_g)), u);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(act.get() + (at[e] + r) * Ip + q * kHalfP),
                           (__m256i)_mm512_cvtneps_pbh(a));
     }
@@ -195,20 +204,24 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
   for (int64_t i = 0; i < T * K; ++i) {
     const int64_t r = routes.row_of[i];
     if (r < 0) continue;
-    const int64_t e = topk_ids.data_ptr<int64_t>()[i] - expert_start;
+    const int64_t e = ids[i] - expert_start;
     row_at[i] = at[e] + r - routes.start[e];
   }
-  const bf16_t* wp2 = ptr<bf16_t>(w2);
-  const float* weights = topk_weights.data_ptr<float>();
   auto w2_panel = [&](int64_t e, int64_t p) { return wp2 + (e * P2 + p) * Ip * kP; };
   run_items(P2, amx, tile_rows, [&](int64_t p, int64_t next) {
     float* down = scratch(R * kP);
     for (int64_t i = 0; i < active; ++i) {
       const int64_t e = routes.active[i];
-      const bf16_t* pf = i + 1 < active ? w2_panel(routes.active[i + 1], p)
+      const W* pf = i + 1 < active ? w2_panel(routes.active[i + 1], p)
                          : next >= 0    ? w2_panel(routes.active[0], next)
                                         : nullptr;
       panel_product(act.get() + at[e] * Ip, Ip, rows_of(e), w2_panel(e, p), Ip, amx, pf, down + at[e] * kP);
+      if (s2 == nullptr) continue;
+      const __m512 c0 = _mm512_loadu_ps(s2 + (e * P2 + p) * kP), c1 = _mm512_loadu_ps(s2 + (e * P2 + p) * kP + 16);
+      for (float* d = down + at[e] * kP; d < down + (at[e] + rows_of(e)) * kP; d += kP) {
+        _mm512_storeu_ps(d, _mm512_mul_ps(_mm512_loadu_ps(d), c0));
+        _mm512_storeu_ps(d + 16, _mm512_mul_ps(_mm512_loadu_ps(d + 16), c1));
+      }
     }
     const int64_t n0 = p * kP, ncols = std::min(kP, H - n0);
     const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (1u << ncols) - 1;
@@ -228,13 +241,59 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
   });
 }
 
+}  // namespace
+
+void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weights, int64_t expert_start,
+              torch::Tensor w13, torch::Tensor w2, torch::Tensor out, bool use_amx, torch::Tensor w13_scale,
+              torch::Tensor w2_scale) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x: contiguous bf16 [T, H]");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == torch::kBFloat16);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.is_contiguous() && topk_ids.scalar_type() == torch::kLong &&
+              topk_ids.size(0) == x.size(0));
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() && topk_weights.is_contiguous() &&
+              topk_weights.scalar_type() == torch::kFloat);
+  const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1), Hp = round_up(H, kAmxK);
+  const bool int8 = w13.scalar_type() == torch::kChar;
+  TORCH_CHECK(int8 || w13.scalar_type() == torch::kBFloat16, "expert panels: bf16 or int8");
+  // A panel of either type holds K x 32 elements: [K/2, 32, 2] bf16 or [K, 32] int8.
+  const auto panels_ok = [&](const torch::Tensor& w, int64_t k) {
+    if (!w.is_contiguous() || w.scalar_type() != w13.scalar_type()) return false;
+    return int8 ? w.dim() == 4 && w.size(2) == k && w.size(3) == kP
+                : w.dim() == 5 && w.size(2) * 2 == k && w.size(3) == kP && w.size(4) == 2;
+  };
+  TORCH_CHECK(panels_ok(w13, Hp), "w13: [E, Ip/16, Hp/2, 32, 2] bf16 or [E, Ip/16, Hp, 32] int8");
+  const int64_t E = w13.size(0), P13 = w13.size(1), Ip = P13 * kHalfP, P2 = (H + kP - 1) / kP;
+  TORCH_CHECK(Ip % kAmxK == 0 && panels_ok(w2, Ip) && w2.size(0) == E && w2.size(1) == P2,
+              "w2: [E, ceil(H/32), Ip/2, 32, 2] bf16 or [E, ceil(H/32), Ip, 32] int8, Ip a multiple of 32");
+  TORCH_CHECK(!int8 || (w13_scale.is_contiguous() && w13_scale.scalar_type() == torch::kFloat &&
+                        w13_scale.numel() == E * P13 * kP && w2_scale.is_contiguous() &&
+                        w2_scale.scalar_type() == torch::kFloat && w2_scale.numel() == E * P2 * kP),
+              "int8 panels: fp32 scales [E, Ip/16, 32] and [E, ceil(H/32), 32]");
+  if (T == 0) return;
+  bool amx = false;
+#ifdef PS_AMX
+  amx = use_amx && amx_usable();
+#endif
+  (void)use_amx;
+  const bf16_t* xp = ptr<bf16_t>(x);
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  const float* weights = topk_weights.data_ptr<float>();
+  bf16_t* y = mut_ptr<bf16_t>(out);
+  if (int8)
+    moe_run(xp, ids, weights, T, H, K, expert_start, E, P13, ptr<int8_t>(w13), w13_scale.data_ptr<float>(),
+            ptr<int8_t>(w2), w2_scale.data_ptr<float>(), amx, y);
+  else
+    moe_run<bf16_t>(xp, ids, weights, T, H, K, expert_start, E, P13, ptr<bf16_t>(w13), nullptr, ptr<bf16_t>(w2),
+                    nullptr, amx, y);
+}
+
 bool moe_bf16_built() { return true; }
 
 }  // namespace ps
 #else
 namespace ps {
 void moe_bf16(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
-              bool) {
+              bool, torch::Tensor, torch::Tensor) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 bool moe_bf16_built() { return false; }
