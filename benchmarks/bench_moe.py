@@ -114,14 +114,40 @@ def layer_probe(config: dict, tokens: int, int8: bool = False, cache_bytes: int 
 
 
 def save_entry(key: str, row: dict) -> str:
-    """This run's entry next to the other models' and request counts' in the machine's one results file."""
+    """This run's entry next to the other models' and request counts' in the machine's one results file, and the
+    plot of them all."""
     runs = {}
     path = results_path("moe", "json")
     if os.path.exists(path):
         with open(path) as f:
             runs = json.load(f).get("runs", {})
     runs[key] = row
-    return save_results("moe", {"runs": dict(sorted(runs.items()))})
+    runs = dict(sorted(runs.items(), key=lambda kv: (kv[1]["model"], kv[1].get("quantization") or "",
+                                                     kv[1]["requests"])))
+    plot(runs, results_path("moe", "png"))
+    return save_results("moe", {"runs": runs})
+
+
+def plot(runs: dict[str, dict], out: str) -> None:
+    """pagedserve's out tok/s over vLLM-CPU's for each entry, against parity and the 1.2x target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in runs.values() if r.get("ratio")]
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows)), 3.6))
+    labels = [f"{r['model'].removeprefix('bench-')}\n{r['requests']} req" + (f" {r['quantization']}"
+                                                                            if r.get("quantization") else "")
+              for r in rows]
+    ax.bar(range(len(rows)), [r["ratio"] for r in rows], 0.6)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(1.2, color="gray", lw=0.8, ls="--", label="1.2x target")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("out tok/s / vLLM-CPU's (bf16)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
 
 
 def main() -> None:

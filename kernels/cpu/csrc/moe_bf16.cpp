@@ -25,7 +25,8 @@ namespace ps {
 
 namespace {
 
-constexpr int64_t kP = 32, kHalfP = 16, kTileRows = 12, kGroup = 16;
+// kKStep: an AMX tile's k; H and I are padded to whole ones on every CPU, so that one packing serves both paths.
+constexpr int64_t kP = 32, kHalfP = 16, kTileRows = 12, kGroup = 16, kKStep = 32;
 
 int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
@@ -145,7 +146,7 @@ template <typename W>
 void moe_run(const bf16_t* xp, const int64_t* ids, const float* weights, int64_t T, int64_t H, int64_t K,
              int64_t expert_start, int64_t E, int64_t P13, const W* wp13, const float* s13, const W* wp2,
              const float* s2, bool amx, bf16_t* y) {
-  const int64_t Hp = round_up(H, kAmxK), Ip = P13 * kHalfP, P2 = (H + kP - 1) / kP;
+  const int64_t Hp = round_up(H, kKStep), Ip = P13 * kHalfP, P2 = (H + kP - 1) / kP;
   const Routes routes = group_by_expert(ids, T, K, expert_start, E);
   // Expert e's rows start at at[e] in the gathered buffers, each group padded to a multiple of 16 rows.
   std::vector<int64_t> at(E + 1, 0), token_at;
@@ -252,7 +253,7 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
               topk_ids.size(0) == x.size(0));
   TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() && topk_weights.is_contiguous() &&
               topk_weights.scalar_type() == torch::kFloat);
-  const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1), Hp = round_up(H, kAmxK);
+  const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1), Hp = round_up(H, kKStep);
   const bool int8 = w13.scalar_type() == torch::kChar;
   TORCH_CHECK(int8 || w13.scalar_type() == torch::kBFloat16, "expert panels: bf16 or int8");
   // A panel of either type holds K x 32 elements: [K/2, 32, 2] bf16 or [K, 32] int8.
@@ -263,7 +264,7 @@ void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weight
   };
   TORCH_CHECK(panels_ok(w13, Hp), "w13: [E, Ip/16, Hp/2, 32, 2] bf16 or [E, Ip/16, Hp, 32] int8");
   const int64_t E = w13.size(0), P13 = w13.size(1), Ip = P13 * kHalfP, P2 = (H + kP - 1) / kP;
-  TORCH_CHECK(Ip % kAmxK == 0 && panels_ok(w2, Ip) && w2.size(0) == E && w2.size(1) == P2,
+  TORCH_CHECK(Ip % kKStep == 0 && panels_ok(w2, Ip) && w2.size(0) == E && w2.size(1) == P2,
               "w2: [E, ceil(H/32), Ip/2, 32, 2] bf16 or [E, ceil(H/32), Ip, 32] int8, Ip a multiple of 32");
   TORCH_CHECK(!int8 || (w13_scale.is_contiguous() && w13_scale.scalar_type() == torch::kFloat &&
                         w13_scale.numel() == E * P13 * kP && w2_scale.is_contiguous() &&
