@@ -136,7 +136,7 @@ def plot(runs: dict[str, dict], out: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in runs.values() if r.get("ratio")]
-    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows)), 3.6))
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(rows)), 3.6))
     labels = [f"{r['model'].removeprefix('bench-')}\n{r['requests']} req" + (f" {r['quantization']}"
                                                                             if r.get("quantization") else "")
               for r in rows]
