@@ -1,12 +1,14 @@
-// The fused MoE layer on bf16 activations, on bf16 experts or weight-only int8 ones: the (token, choice) pairs routed to this rank's experts grouped by expert
-// (group_by_expert), each expert's rows gathered and padded with zero rows to a multiple of 16 (an AMX tile), then
-// two parallel passes, each reading every active expert's weights once, whatever the batch:
+// The fused MoE layer on bf16 activations, on bf16 experts or weight-only int8 ones: the (token, choice) pairs routed
+// to this rank's experts grouped by expert (group_by_expert), each expert's rows gathered and padded with zero rows to
+// a multiple of 16 (an AMX tile), then two parallel passes, each reading every active expert's weights once, whatever
+// the batch:
 //  1. gate+up: one work item per (expert, w13 panel of 16 gate and 16 up rows): the panel product gives both halves
 //     of SiLU(gate) * up for each row at once, written as bf16 to the intermediate activations [rows, Ip].
 //  2. down: one work item per 32 output features: that panel of every active expert, then each token's weighted
 //     choices summed in fp32 in k order straight into out: no [tokens * k, hidden] buffer, no two threads writing
 //     the same output.
-// Threads take items as they come, so a skewed routing (every token to one expert) still splits that expert's rows.
+// Threads take chunks of consecutive items as they come (prefetching each next panel), so a skewed routing (every
+// token to one expert) still splits that expert's rows.
 // Products run on AMX tiles where the CPU has them (16-row tiles, or at decode short ones of the most rows any
 // expert has), else on vdpbf16ps row tiles. int8 panels are widened to bf16 as the int8 GEMM widens them (exact), a
 // k step at a time on AMX, and their per-channel scales applied to the fp32 sums. Gate, up and down are rounded to
