@@ -37,12 +37,7 @@ void panel_gemm(const float* x, int64_t ldx, int64_t rows, const W* panel, int64
 template <typename W>
 void moe(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weights, int64_t expert_start,
          torch::Tensor w13, torch::Tensor w2, int64_t intermediate_size, torch::Tensor out) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: contiguous fp32 [T, H]");
-  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.is_contiguous() && topk_ids.scalar_type() == torch::kLong &&
-              topk_ids.size(0) == x.size(0));
-  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() && topk_weights.is_contiguous() &&
-              topk_weights.scalar_type() == torch::kFloat);
+  check_layer_args(x, topk_ids, topk_weights, out, torch::kFloat);
   const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1), I = intermediate_size;
   TORCH_CHECK(w13.dim() == 4 && w13.is_contiguous() && w13.size(2) == H &&
               w13.size(3) == kNR && w13.size(1) == (I + kHalf - 1) / kHalf, "w13: [E, ceil(I/8), H, 16]");
@@ -111,6 +106,16 @@ void moe(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weights, in
 }
 
 }  // namespace
+
+void check_layer_args(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
+                      const torch::Tensor& out, torch::ScalarType dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dtype, "x: contiguous [T, H] of ", dtype);
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == dtype);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.is_contiguous() && topk_ids.scalar_type() == torch::kLong &&
+              topk_ids.size(0) == x.size(0));
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() && topk_weights.is_contiguous() &&
+              topk_weights.scalar_type() == torch::kFloat);
+}
 
 Routes group_by_expert(const int64_t* ids, int64_t T, int64_t K, int64_t expert_start, int64_t E) {
   Routes r;

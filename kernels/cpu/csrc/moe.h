@@ -14,6 +14,11 @@ struct Routes {
   std::vector<int64_t> active;  // experts with at least one row
 };
 
+// The layer's activations and routing: x [T, H] of dtype, contiguous, out the same, topk_ids [T, K] int64 and
+// topk_weights [T, K] fp32, contiguous.
+void check_layer_args(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
+                      const torch::Tensor& out, torch::ScalarType dtype);
+
 // For topk_ids [T, K] (global ids) and this rank's experts [expert_start, expert_start + E).
 Routes group_by_expert(const int64_t* ids, int64_t T, int64_t K, int64_t expert_start, int64_t E);
 

@@ -249,12 +249,7 @@ void moe_run(const bf16_t* xp, const int64_t* ids, const float* weights, int64_t
 void moe_bf16(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_weights, int64_t expert_start,
               torch::Tensor w13, torch::Tensor w2, torch::Tensor out, bool use_amx, torch::Tensor w13_scale,
               torch::Tensor w2_scale) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x: contiguous bf16 [T, H]");
-  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == torch::kBFloat16);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.is_contiguous() && topk_ids.scalar_type() == torch::kLong &&
-              topk_ids.size(0) == x.size(0));
-  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() && topk_weights.is_contiguous() &&
-              topk_weights.scalar_type() == torch::kFloat);
+  check_layer_args(x, topk_ids, topk_weights, out, torch::kBFloat16);
   const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1), Hp = round_up(H, kKStep);
   const bool int8 = w13.scalar_type() == torch::kChar;
   TORCH_CHECK(int8 || w13.scalar_type() == torch::kBFloat16, "expert panels: bf16 or int8");
