@@ -35,6 +35,18 @@ class PackingPlan:
     int8_panels: bool | None = None
 
 
+@dataclass(frozen=True)
+class LocalExperts:
+    """One MoE layer's experts on this rank as loaded: ``gate_up[i] [2I, H]`` (gate rows, then up rows) and
+    ``down[i] [H, I]`` of expert ``expert_start + i``; int8 ones with their fp32 per-row scales."""
+
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    expert_start: int
+    gate_up_scale: list[torch.Tensor] | None = None
+    down_scale: list[torch.Tensor] | None = None
+
+
 class KernelBackend:
     """The torch backend: the spec's ops, and ``F.linear`` (on CPU through weights oneDNN packed at load)."""
 
@@ -107,6 +119,11 @@ class KernelBackend:
     # ---- mixture of experts ------------------------------------------------------------------
     def select_experts(self, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch_ref.ExpertRouting:
         return torch_ref.select_experts(router_logits, top_k, renormalize)
+
+    def pack_experts(self, experts: LocalExperts) -> object | None:
+        """The layout :meth:`moe_experts` reads for one MoE layer, made once after loading; None: the block keeps its
+        expert modules. (The CPU backend's panels are packed by ``worker/cpu``, on huge pages.)"""
+        return None
 
     def moe_experts(self, block: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor) -> torch.Tensor:

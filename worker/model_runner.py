@@ -17,6 +17,7 @@ from pagedserve.worker.cpu import prepare_model, zeros_huge_pages
 from pagedserve.worker.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from pagedserve.worker.layers.attention import Attention
 from pagedserve.worker.layers.embedding import take_rows
+from pagedserve.worker.layers.moe import pack_moe_blocks
 from pagedserve.worker.models.loader import load_model
 from pagedserve.worker.sampler import SamplingMetadata, sample
 
@@ -73,6 +74,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.model = load_model(config.model_config, device)
         self.backend = select_backend(config.attention_backend, device, config.model_config.dtype)
+        pack_moe_blocks(self.model, self.backend)  # before prepare_model packs the remaining linears
         prepare_model(self.model, self.backend)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.states: dict[int, SeqState] = {}

@@ -1,11 +1,11 @@
-"""The Triton backend (CUDA): paged attention and the KV-cache writes and copies in Triton kernels (``ops.py``); the
-spec (torch on the GPU) for the rest."""
+"""The Triton backend (CUDA): paged attention and the KV-cache writes and copies (``ops.py``) and the MoE experts
+(``moe.py``) in Triton kernels; the spec (torch on the GPU) for the rest."""
 from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.backend import KernelBackend
-from pagedserve.kernels.triton import ops
+from pagedserve.kernels.backend import KernelBackend, LocalExperts
+from pagedserve.kernels.triton import moe, ops
 
 
 class TritonBackend(KernelBackend):
@@ -27,3 +27,17 @@ class TritonBackend(KernelBackend):
 
     def swap_blocks(self, src, dst, block_mapping) -> None:
         ops.swap_blocks(src, dst, block_mapping)
+
+    def pack_experts(self, experts: LocalExperts) -> moe.StackedExperts:
+        return moe.stack_experts(experts.gate_up, experts.down, experts.expert_start, experts.gate_up_scale,
+                                 experts.down_scale)
+
+    def moe_experts(self, block, x, topk_ids, topk_weights):
+        stacked = block.moe_panels
+        if not isinstance(stacked, moe.StackedExperts):
+            return super().moe_experts(block, x, topk_ids, topk_weights)
+        if not moe.supported(x, stacked):
+            self.fallback("moe_experts", f"its kernels take [tokens, hidden] activations of the experts' float dtype, "
+                                         f"not {x.dtype} {tuple(x.shape)} on {stacked.w13.dtype} experts")
+            return moe.reference(x, topk_ids, topk_weights, stacked)
+        return moe.fused_moe(x, topk_ids, topk_weights, stacked)

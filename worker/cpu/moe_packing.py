@@ -28,24 +28,21 @@ def pack_moe_experts(model: nn.Module, panels: bool | None = None, bf16_panels: 
     for block in model.modules():
         if not isinstance(block, SparseMoeBlock) or len(block.experts) == 0:
             continue
-        experts = [block.experts[str(e)] for e in block.expert_ids]
-        gate_up = [e.gate_up_proj.weight.detach() for e in experts]
-        down = [e.down_proj.weight.detach() for e in experts]
+        loaded = block.loaded_experts()
+        gate_up, down, start = loaded.gate_up, loaded.down, loaded.expert_start
         if any(w.device.type != "cpu" for w in gate_up + down):
             continue
         dtypes = {w.dtype for w in gate_up + down}
         if dtypes == {torch.bfloat16} and bf16:
-            block.moe_panels = pack_experts_bf16(gate_up, down, block.expert_ids.start, empty_huge_pages)
+            block.moe_panels = pack_experts_bf16(gate_up, down, start, empty_huge_pages)
             kinds.append("bf16 activations")
         elif dtypes == {torch.int8} and bf16 and block.gate.weight.dtype == torch.bfloat16:  # the router: unquantized
-            scales = ([e.gate_up_proj.weight_scale.detach() for e in experts],
-                      [e.down_proj.weight_scale.detach() for e in experts])
-            block.moe_panels = pack_experts_int8(gate_up, scales[0], down, scales[1], block.expert_ids.start,
+            block.moe_panels = pack_experts_int8(gate_up, loaded.gate_up_scale, down, loaded.down_scale, start,
                                                  empty_huge_pages)
             kinds.append("bf16 activations, int8 experts")
         elif dtypes == {torch.float32} and fp32:
             dtype = torch.bfloat16 if exact_in_bf16(gate_up + down) else torch.float32
-            block.moe_panels = pack_experts(gate_up, down, block.expert_ids.start, dtype, empty_huge_pages)
+            block.moe_panels = pack_experts(gate_up, down, start, dtype, empty_huge_pages)
             kinds.append(f"fp32 activations, {str(dtype).removeprefix('torch.')} panels")
         else:
             continue

@@ -8,7 +8,8 @@ dispatch would only pay once tokens are sharded across ranks (data-parallel atte
 
 The kernel backend routes (``select_experts``) and runs the experts (``moe_experts``): on CPU with fp32 experts, or
 bf16 ones where the CPU has AVX512-BF16, one C++ call per layer on weights packed at load (``kernels/cpu/moe.py``);
-otherwise ``run_experts`` here, where the (token, expert) pairs are sorted
+under Triton, two grouped-GEMM launches on the experts stacked at load (:func:`pack_moe_blocks`,
+``kernels/triton/moe.py``); otherwise ``run_experts`` here, where the (token, expert) pairs are sorted
 by expert, each local expert runs one GEMM on its contiguous slice, and the weighted results are put back in token
 order and summed over the k choices: one Python iteration per local expert, none per token.
 """
@@ -19,6 +20,7 @@ import re
 import torch
 from torch import nn
 
+from pagedserve.kernels.backend import KernelBackend, LocalExperts
 from pagedserve.worker.forward_context import current_backend
 from pagedserve.worker.layers.activation import SiluAndMul
 from pagedserve.worker.layers.linear import ReplicatedLinear
@@ -69,6 +71,18 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
         self.expert_ids = local_experts(num_experts, get_tp_rank(), get_tp_size())
         self.experts = nn.ModuleDict({str(e): Expert(hidden_size, intermediate_size) for e in self.expert_ids})
+        self.moe_panels: object | None = None  # the experts in a kernel's layout, once packed (then experts is empty)
+
+    def loaded_experts(self) -> LocalExperts:
+        experts = [self.experts[str(e)] for e in self.expert_ids]
+        scaled = all(hasattr(e.gate_up_proj, "weight_scale") for e in experts)
+
+        def weights(name: str, attr: str) -> list[torch.Tensor]:
+            return [getattr(getattr(e, name), attr).detach() for e in experts]
+
+        return LocalExperts(weights("gate_up_proj", "weight"), weights("down_proj", "weight"), self.expert_ids.start,
+                            weights("gate_up_proj", "weight_scale") if scaled else None,
+                            weights("down_proj", "weight_scale") if scaled else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = current_backend().select_experts(self.gate(x), self.top_k, self.renormalize)
@@ -91,6 +105,19 @@ class SparseMoeBlock(nn.Module):
                 grouped[start:end] = y.float() * weight_of[start:end, None]
         per_choice = grouped.index_select(0, order.argsort())  # back to (token, k) order
         return per_choice.view(-1, self.top_k, x.shape[-1]).sum(1).to(x.dtype)
+
+
+def pack_moe_blocks(model: nn.Module, backend: KernelBackend) -> int:
+    """Give each MoE block whose experts are still modules the backend's layout for them (:meth:`KernelBackend.
+    pack_experts`), freeing the modules; returns how many blocks."""
+    packed = 0
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock) and len(block.experts) and block.moe_panels is None:
+            block.moe_panels = backend.pack_experts(block.loaded_experts())
+            if block.moe_panels is not None:
+                block.experts = nn.ModuleDict()
+                packed += 1
+    return packed
 
 
 _EXPERT_PARAM = re.compile(r"^(.*\.experts)\.(\d+)\.")
