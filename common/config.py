@@ -96,6 +96,7 @@ class SchedulerConfig:
     stream_interval: int = 1  # streamed: an output per this many new tokens (the first and last at once)
     scheduling_policy: str = "fcfs"  # or "priority": by (priority, arrival), see scheduler/request_queue.py
     fairness: str = "none"  # or "tokens": among equal priorities, the tenant with the least weighted service first
+    kv_lease_s: float = 60.0  # how long a prefill replica holds a handed-off prompt's KV for its decode replica
 
 
 @dataclass

@@ -32,3 +32,8 @@ class ReplicaDrainingError(EngineUnavailableError):
 
 class WorkerFailedError(PagedServeError):
     """A tensor-parallel worker died; the whole group is unusable until rebuilt."""
+
+
+class KVTransferError(PagedServeError):
+    """A KV handoff between replicas could not move the blocks (the producer lost them or is gone, the executor
+    cannot read them): the consumer computes them itself instead."""

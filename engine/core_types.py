@@ -39,6 +39,8 @@ class EngineCoreRequest:
     resume: ResumeState | None = None
     priority: int = 0  # lower first under --scheduling-policy priority; must be 0 under fcfs (as vLLM)
     tenant: Tenant = DEFAULT_TENANT
+    # vLLM's kv_transfer_params "do_remote_decode": prefill only, then hand the KV to a decode replica
+    do_remote_decode: bool = False
 
     @property
     def params(self) -> SamplingParams | BeamSearchParams:

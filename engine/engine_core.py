@@ -18,8 +18,9 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.executor import Executor, create_executor
 from pagedserve.engine.gc_heap import freeze_gc_heap
+from pagedserve.engine.kv_transfer import KVHandoff
 from pagedserve.engine.tokenizer import guidance_tokenizer, load_tokenizer
-from pagedserve.scheduler.kv_events import KVCacheSnapshot, KVEvent
+from pagedserve.scheduler.kv_events import BlockHash, KVCacheSnapshot, KVEvent
 from pagedserve.scheduler.request import Request, Sequence, child_seed
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.structured_output import StructuredOutputManager
@@ -153,7 +154,7 @@ class EngineCore:
                              cumulative_logprob=c.cumulative_logprob) for c in resume.completions]
         req = Request(request.request_id, list(ids), params, seqs, arrival_index=next(self._arrivals),
                       cache_salt=request.cache_salt, seed=base_seed, beam_params=request.beam_params,
-                      priority=request.priority, tenant=request.tenant)
+                      priority=request.priority, tenant=request.tenant, remote_decode=request.do_remote_decode)
         if resume is not None:
             req.next_seq_index = max(params.best_of, *(s.index + 1 for s in seqs))
             req.num_prompt_logprobs = resume.num_prompt_logprobs
@@ -200,6 +201,39 @@ class EngineCore:
 
     def kv_snapshot(self) -> KVCacheSnapshot:
         return KVCacheSnapshot(self.scheduler.block_manager.cached_block_hashes())
+
+    # ---- KV handoff (engine/kv_transfer.py) ---------------------------------------------------------------------
+    def num_cached_blocks(self, block_hashes: list[BlockHash]) -> int:
+        """How many leading blocks of this chain this engine's prefix cache holds."""
+        return len(self.scheduler.block_manager.cached_run(block_hashes))
+
+    def export_kv(self, block_hashes: list[BlockHash]) -> KVHandoff:
+        """The producer side: the KV of the leading run of these blocks this engine holds (maybe none)."""
+        bm = self.scheduler.block_manager
+        blocks = bm.cached_run(block_hashes)
+        ranks = self.executor.read_kv_blocks(blocks) if blocks else []
+        return KVHandoff(block_hashes[:len(blocks)], bm.block_token_ids(blocks), ranks)
+
+    def import_kv(self, handoff: KVHandoff, parent_hash: BlockHash | None) -> int:
+        """The consumer side: write the handed-off blocks (chained to the cached ``parent_hash``) into free blocks
+        and the prefix cache; returns how many went in (none when the pool has no room to spare)."""
+        bm = self.scheduler.block_manager
+        blocks = bm.reserve(handoff.num_blocks) if handoff.num_blocks else []
+        if not blocks:
+            return 0
+        written = 0
+        try:
+            written = self.executor.write_kv_blocks(blocks, handoff.ranks)
+        finally:
+            inserted = bm.insert_cached(blocks, handoff.block_hashes, handoff.token_ids, parent_hash, written)
+        if written < handoff.num_blocks:
+            logger.warning("KV handoff: %d of %d blocks failed their digest check; they are recomputed",
+                           handoff.num_blocks - written, handoff.num_blocks)
+        return inserted
+
+    def release_kv(self, request_id: str) -> bool:
+        """The producer side: the decode replica has the blocks (or gave up): stop holding them."""
+        return self.scheduler.kv_leases.release(request_id)
 
     def abort_request(self, request_id: str) -> Request | None:
         return self.scheduler.abort_request(request_id)

@@ -365,6 +365,48 @@ class BlockManager:
             seq.block_hashes.append(h)
             self.pool.register(seq.block_table[i], h, parent, toks)
 
+    # ---- KV handoff between replicas ------------------------------------------------------------
+    def cached_run(self, block_hashes: list[BlockHash]) -> list[int]:
+        """The cached blocks of the leading run of these chained hashes (the first miss ends it)."""
+        blocks = []
+        for h in block_hashes:
+            b = self.pool.cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def block_token_ids(self, blocks: list[int]) -> list[tuple[int, ...]]:
+        return [self.pool.info[b].token_ids for b in blocks]
+
+    def reserve(self, n: int) -> list[int]:
+        """``n`` blocks to write another replica's KV into, if that leaves the admission watermark free; else none."""
+        if not self.pool.enable_caching or n > self.pool.num_free - self.watermark_blocks:
+            return []
+        return self.pool.allocate(n)
+
+    def insert_cached(self, blocks: list[int], block_hashes: list[BlockHash], token_ids: list[tuple[int, ...]],
+                      parent_hash: BlockHash | None, num_written: int) -> int:
+        """Register the first ``num_written`` reserved blocks (their KV written) in the prefix cache, chained to the
+        cached ``parent_hash``, and let go of all of them: the registered ones wait in the cache like any computed
+        block, the rest are free again. Returns how many new blocks the cache holds."""
+        parent = None
+        if parent_hash is not None:
+            b = self.pool.cached.get(parent_hash)
+            parent = self.pool.info[b] if b is not None else None
+            if parent is None:
+                num_written = 0  # evicted meanwhile: nothing can chain onto it
+        inserted = 0
+        for b, h, toks in zip(blocks[:num_written], block_hashes, token_ids):
+            if h in self.pool.cached:  # computed here meanwhile: that copy serves
+                parent = self.pool.info[self.pool.cached[h]]
+                continue
+            self.pool.register(b, h, parent, toks)
+            parent = self.pool.info[b]
+            inserted += 1
+        self.pool.decref(blocks)
+        return inserted
+
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
 

@@ -17,6 +17,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6  # the workers failed while it ran
+    FINISHED_REMOTE_DECODE = 7  # prefill only: ended after its first token, a decode replica goes on
 
     @property
     def finished(self) -> bool:
@@ -53,6 +54,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_REMOTE_DECODE: "remote_decode",
 }
 
 
@@ -136,6 +138,7 @@ class Request:
     next_seq_index: int = 1
     beam_params: BeamSearchParams | None = None  # set for beam-search requests, with beam_state
     beam_state: BeamState | None = None
+    remote_decode: bool = False  # prefill only: end after the first token, its prompt's KV held for a decode replica
 
     @property
     def live_seqs(self) -> list[Sequence]:

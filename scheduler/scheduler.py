@@ -22,6 +22,7 @@ from pagedserve.common.config import CacheConfig, SchedulerConfig, SpeculativeCo
 from pagedserve.common.outputs import EngineCoreOutput
 from pagedserve.scheduler.beam import BeamSearcher
 from pagedserve.scheduler.block_manager import NULL_BLOCK, BlockManager
+from pagedserve.scheduler.kv_leases import KVLeases
 from pagedserve.scheduler.output import CachedSeqData, ModelRunnerOutput, NewSeqData, SchedulerOutput
 from pagedserve.scheduler.request import FINISH_REASONS, Request, RequestStatus, Sequence, child_seed
 from pagedserve.scheduler.request_queue import FAIRNESS_MODES, TokenFairness, WaitingQueue, order_key
@@ -51,6 +52,7 @@ class Scheduler:
                                           cache_config.enable_prefix_caching, cache_config.num_cpu_blocks,
                                           cache_config.enable_block_sharing,
                                           sliding_window=cache_config.sliding_window)
+        self.kv_leases = KVLeases(self.block_manager, config.kv_lease_s)
         self.key = order_key(config.scheduling_policy)
         if config.fairness not in FAIRNESS_MODES:
             raise ValueError(f"fairness must be one of {FAIRNESS_MODES}, got {config.fairness!r}")
@@ -97,6 +99,7 @@ class Scheduler:
         failed = list(self.requests.values())
         for req in failed:
             self._finish_request(req, RequestStatus.FINISHED_ERROR)
+        self.kv_leases.release_all()
         self.block_manager.reset_prefix_cache()
         self._finished_seq_ids.clear()  # the new workers hold no sequence state
         return [self._core_output(req, EngineCoreOutput(req.request_id), error) for req in failed]
@@ -124,6 +127,7 @@ class Scheduler:
         self.running.clear()
         self.swapped.clear()
         self.waiting.replace_all(requeued)
+        self.kv_leases.release_all()
         self.block_manager.reset_prefix_cache()
         self._finished_seq_ids.clear()  # the new workers hold no sequence state
         return [self._core_output(req, EngineCoreOutput(req.request_id), error) for req in failed]
@@ -148,6 +152,9 @@ class Scheduler:
 
     def finish_seq(self, req: Request, seq: Sequence, status: RequestStatus) -> None:
         """End one sequence; the request ends with its last live sequence."""
+        if status == RequestStatus.FINISHED_REMOTE_DECODE:  # its full prompt blocks, cached by now
+            held = list(itertools.takewhile(lambda b: b != NULL_BLOCK, seq.block_table[:len(seq.block_hashes)]))
+            self.kv_leases.hold(req.request_id, held, seq.block_hashes[:len(held)], time.monotonic())
         self._release(seq, status)
         if not req.live_seqs and not req.finished:
             self._finish_request(req, status)
@@ -232,6 +239,8 @@ class Scheduler:
             spec = None  # a batch this wide keeps the hardware busy: drafts would cost more than they save
 
         now = time.monotonic()
+        if self.kv_leases.leases:
+            self.kv_leases.expire(now)
         head = self._make_way_by_priority(out) if self.config.scheduling_policy == "priority" else None
         held = self._held_decodes(now)
         self._schedule_running(out, step, spec, now, held, held_only=False)
@@ -618,6 +627,8 @@ class Scheduler:
                 return
             if complete and status is None:
                 status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
+        if status is None and req.remote_decode:
+            status = RequestStatus.FINISHED_REMOTE_DECODE
         if status is not None:
             self.finish_seq(req, seq, status)
 

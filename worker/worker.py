@@ -9,6 +9,7 @@ import torch
 from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler.output import ModelRunnerOutput, NewSeqData, SchedulerOutput
+from pagedserve.worker.kv_transfer import KVBlockData, read_blocks, write_blocks
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.parallel_state import init_tensor_parallel
 
@@ -99,3 +100,9 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> KVBlockData:
+        return read_blocks(self.model_runner.k_caches, self.model_runner.v_caches, block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: KVBlockData) -> int:
+        return write_blocks(self.model_runner.k_caches, self.model_runner.v_caches, block_ids, data)

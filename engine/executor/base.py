@@ -4,7 +4,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from pagedserve.common.errors import KVTransferError
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.kv_transfer import KVBlockData
 
 
 class Executor(ABC):
@@ -29,6 +31,15 @@ class Executor(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[KVBlockData]:
+        """Every rank's KV of these blocks, in rank order (a KV handoff's producer side)."""
+        raise KVTransferError(f"{type(self).__name__} cannot read KV blocks out")
+
+    def write_kv_blocks(self, block_ids: list[int], data: list[KVBlockData]) -> int:
+        """Rank i writes ``data[i]`` (another replica's rank i) into ``block_ids``; returns how many leading blocks
+        every rank wrote, their digests matching."""
+        raise KVTransferError(f"{type(self).__name__} cannot write KV blocks in")
 
     def worker_pids(self) -> list[int]:
         """Process ids of worker actors (none when the model runs in this process)."""

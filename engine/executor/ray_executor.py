@@ -16,10 +16,11 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.common.config import EngineConfig
-from pagedserve.common.errors import WorkerFailedError
+from pagedserve.common.errors import KVTransferError, WorkerFailedError
 from pagedserve.engine.executor.base import Executor, RayPlacement
 from pagedserve.engine.executor.ray_utils import ensure_ray, make_placement_group, rank_bundle, rank_cpus
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.kv_transfer import KVBlockData
 from pagedserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,21 @@ class RayExecutor(Executor):
         except ray.exceptions.RayError as e:
             # The survivors are stuck in a collective with the dead rank: the group is torn down by the caller.
             raise WorkerFailedError(f"tensor-parallel worker failed: {type(e).__name__}: {e}") from e
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[KVBlockData]:
+        self._check_kv_access()
+        return self._all("read_kv_blocks", block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: list[KVBlockData]) -> int:
+        self._check_kv_access()
+        if len(data) != len(self.workers):
+            raise KVTransferError(f"KV of {len(data)} ranks for {len(self.workers)} ranks")
+        return min(ray.get([w.execute_method.remote("write_kv_blocks", block_ids, d)
+                            for w, d in zip(self.workers, data)]))
+
+    def _check_kv_access(self) -> None:
+        if self.dag is not None:  # its actors run only the compiled graph
+            raise KVTransferError("the workers run a compiled graph: their KV blocks cannot be read or written")
 
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pagedserve.common.config import EngineConfig
 from pagedserve.engine.executor.base import Executor
 from pagedserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.kv_transfer import KVBlockData
 from pagedserve.worker.worker import Worker
 
 
@@ -27,6 +28,12 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[KVBlockData]:
+        return [self.worker.read_kv_blocks(block_ids)]
+
+    def write_kv_blocks(self, block_ids: list[int], data: list[KVBlockData]) -> int:
+        return self.worker.write_kv_blocks(block_ids, data[0])
 
     def shutdown(self) -> None:
         self.worker.shutdown()
