@@ -235,6 +235,10 @@ class EngineCore:
         """The producer side: the decode replica has the blocks (or gave up): stop holding them."""
         return self.scheduler.kv_leases.release(request_id)
 
+    def expire_kv_leases(self) -> list[str]:
+        """End the leases past their deadline (each step does too; this is for an engine with nothing to run)."""
+        return self.scheduler.kv_leases.expire(time.monotonic())
+
     def abort_request(self, request_id: str) -> Request | None:
         return self.scheduler.abort_request(request_id)
 

@@ -31,10 +31,10 @@ class KVHandoff:
 
 @dataclass(frozen=True)
 class KVImport:
-    """How a consumer's pull went: blocks it already held, blocks that arrived and went into its cache, and blocks
-    it asked for that did not arrive or were refused (it computes those)."""
+    """How a consumer's pull went: blocks of the chain it already held, blocks the producer sent, and those of them
+    that went into its cache (the rest of the chain it computes)."""
 
     num_cached: int
-    num_inserted: int
-    num_missing: int
+    num_received: int = 0
+    num_inserted: int = 0
     num_bytes: int = 0

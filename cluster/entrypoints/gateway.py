@@ -77,7 +77,7 @@ async def run_gateway(spec: GatewaySpec, stop: asyncio.Event | None = None,
         if opts.metrics_port:  # first: a gateway that cannot bind its metrics port never takes a connection
             gateway.metrics_port = metrics.start_http_server(opts.metrics_port, opts.host)
         await gateway.start()
-        engine = ReplicaRouter(replicas, tokenizer, infos, opts.make_policy(len(replicas)))
+        engine = ReplicaRouter(replicas, tokenizer, infos, opts.make_policy(len(replicas)), opts.disagg)
         engine.start()
         discovery = asyncio.ensure_future(_follow_replicas(name, engine))
         freeze_gc_heap()

@@ -70,8 +70,8 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
         else:
             ensure_ray(args.ray_address)
             check_ray_auth(opts.allow_unauthenticated_ray)
-        return launch_replicas(args, opts.data_parallel_size, opts.max_waiting_requests, opts.step_timeout or None,
-                               name if opts.name_replicas else None)
+        return launch_replicas(args, len(opts.replica_roles), opts.max_waiting_requests, opts.step_timeout or None,
+                               name if opts.name_replicas else None, opts.replica_roles)
 
     try:
         launch = asyncio.ensure_future(asyncio.to_thread(start_replicas))
@@ -82,7 +82,7 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
             return
         replicas = launch.result()
         infos = await asyncio.gather(*[r.actor.get_info.remote() for r in replicas])
-        engine = ReplicaRouter(replicas, tokenizer, infos, opts.make_policy(opts.data_parallel_size))
+        engine = ReplicaRouter(replicas, tokenizer, infos, opts.make_policy(len(replicas)), opts.disagg)
         engine.start()
         replica_set = ReplicaSet(args, replicas, engine, opts.drain_timeout, opts.max_waiting_requests,
                                  opts.step_timeout or None, name if opts.name_replicas else None)

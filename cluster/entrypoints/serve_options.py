@@ -8,7 +8,9 @@ import os
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 
+from pagedserve.cluster.runtime.handoff import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DisaggConfig
 from pagedserve.cluster.runtime.ray_auth import ALLOW_FLAG
+from pagedserve.cluster.runtime.replicas import ReplicaRole
 from pagedserve.cluster.runtime.routing import (
     DEFAULT_BALANCE_FACTOR,
     POLICIES,
@@ -144,6 +146,14 @@ class ServeOptions:
                                 "queued and running work in tokens; higher spreads a hot prefix sooner, 0 routes by "
                                 "cache alone")
     data_parallel_size: int = _flag(1, "model replicas (each its own TP group)", serve_only=True, aliases=["-dp"])
+    prefill_replicas: int = _flag(0, "disaggregated serving: replicas that only prefill (a prompt's KV and first "
+                                     "token) and hand each request to a decode replica; 0: every replica runs whole "
+                                     "requests (--data-parallel-size)", serve_only=True)
+    decode_replicas: int = _flag(0, "disaggregated serving: replicas that decode the requests the prefill replicas "
+                                    "hand off, and run whole the ones not worth handing off", serve_only=True)
+    max_local_prefill_length: int = _flag(
+        DEFAULT_MAX_LOCAL_PREFILL_LENGTH, "disaggregated serving: a prompt with at most this many tokens uncached on "
+                                          "its decode replica is prefilled there, not on a prefill replica")
     max_waiting_requests: int | None = _flag(None, "per replica; beyond it requests get RESOURCE_EXHAUSTED",
                                              serve_only=True)
     step_timeout: float = _flag(120.0, "seconds an engine step may make no progress before the engine is restarted "
@@ -161,6 +171,12 @@ class ServeOptions:
     name_replicas: bool = False
 
     def __post_init__(self) -> None:
+        if self.prefill_replicas < 0 or self.decode_replicas < 0:
+            raise ValueError("--prefill-replicas and --decode-replicas must be >= 0")
+        if self.prefill_replicas and (self.decode_replicas < 1 or self.data_parallel_size != 1):
+            raise ValueError("--prefill-replicas needs --decode-replicas >= 1, and replaces --data-parallel-size")
+        if self.decode_replicas and not self.prefill_replicas:
+            raise ValueError("--decode-replicas needs --prefill-replicas >= 1 (without, use --data-parallel-size)")
         if self.routing_policy is not None and self.routing_policy not in POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(POLICIES)}, got {self.routing_policy!r}")
         # A bad tenants file, tenant header, tenant limit or key fails here, before anything starts.
@@ -185,6 +201,17 @@ class ServeOptions:
     def api_options(self) -> ApiOptions:
         return ApiOptions(self.strict_request_fields, self.disable_fastapi_docs, self.enable_prompt_tokens_details,
                           self.enable_auto_tool_choice, self.tool_call_parser)
+
+    @property
+    def replica_roles(self) -> list[ReplicaRole]:
+        """Each replica's role, in index order: prefill replicas first."""
+        if not self.prefill_replicas:
+            return [ReplicaRole.BOTH] * self.data_parallel_size
+        return [ReplicaRole.PREFILL] * self.prefill_replicas + [ReplicaRole.DECODE] * self.decode_replicas
+
+    @property
+    def disagg(self) -> DisaggConfig:
+        return DisaggConfig(max_local_prefill_length=self.max_local_prefill_length)
 
     def make_policy(self, num_replicas: int) -> RoutingPolicy:
         return make_policy(self.routing_policy or default_policy(num_replicas), self.routing_balance_factor)

@@ -76,8 +76,8 @@ def supervise(args: EngineArgs, opts: ServeOptions, name: str, log_level: str = 
         signal.signal(sig, lambda *_: stop.set())
     replicas, gateways = [], []
     try:
-        replicas = launch_replicas(args, opts.data_parallel_size, opts.max_waiting_requests,
-                                   opts.step_timeout or None, name)
+        replicas = launch_replicas(args, len(opts.replica_roles), opts.max_waiting_requests,
+                                   opts.step_timeout or None, name, opts.replica_roles)
         if stop.is_set():
             logger.info("stopped while loading")
             return 0

@@ -31,7 +31,8 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.executor import RayPlacement, create_executor
-from pagedserve.scheduler.kv_events import KVCacheSnapshot, KVEvent, KVEventBatch
+from pagedserve.engine.kv_transfer import KVHandoff, KVImport
+from pagedserve.scheduler.kv_events import BlockHash, KVCacheSnapshot, KVEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ class EngineCoreActor:
     def __init__(self, engine_args: EngineArgs, max_waiting_requests: int | None = None,
                  num_threads: int | None = None, step_timeout: float | None = None,
                  gateway_lease_s: float = GATEWAY_LEASE_S,
-                 preflight_versions: Mapping[str, str] | None = None) -> None:
+                 preflight_versions: Mapping[str, str] | None = None, role: str = "both") -> None:
+        self.role = role  # the router's ReplicaRole, for gateways that attach by name
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._preflight: NodeReport | None = None
         if preflight_versions is not None and not ray.get_runtime_context().was_current_actor_reconstructed:
@@ -232,6 +234,8 @@ class EngineCoreActor:
     async def _expire_leases(self) -> None:
         while not self._stopped:
             await asyncio.sleep(self.leases.check_every_s)
+            if self.core.scheduler.kv_leases.leases:
+                await self._on_engine(self.core.expire_kv_leases)
             for client, silent in self.leases.overdue(self._queues):
                 orphans = sum(c == client for c in self._owner.values())
                 logger.warning("gateway %s not heard from for %.0f s: taking it for dead and aborting its %d requests",
@@ -311,6 +315,27 @@ class EngineCoreActor:
         for client in list(self._queues):
             self._end_stream(client)
         return moved
+
+    # ---- KV handoff (engine/kv_transfer.py) ---------------------------------------------------------------------
+    def get_role(self) -> str:
+        return self.role
+
+    async def export_kv(self, block_hashes: list[BlockHash]) -> KVHandoff:
+        """The producer side: the KV of the leading run of these cached blocks, every TP rank's."""
+        return await self._on_engine(self.core.export_kv, block_hashes)
+
+    async def release_kv(self, request_id: str) -> bool:
+        return await self._on_engine(self.core.release_kv, request_id)
+
+    async def pull_kv(self, producer: ray.actor.ActorHandle, block_hashes: list[BlockHash]) -> KVImport:
+        """The consumer side: fetch from ``producer`` (another replica's actor) the blocks of this chain not cached
+        here, straight from actor to actor, and put those that arrive intact into the prefix cache."""
+        have = await self._on_engine(self.core.num_cached_blocks, block_hashes)
+        if have == len(block_hashes):
+            return KVImport(have)
+        handoff = await producer.export_kv.remote(block_hashes[have:])
+        inserted = await self._on_engine(self.core.import_kv, handoff, block_hashes[have - 1] if have else None)
+        return KVImport(have, handoff.num_blocks, inserted, handoff.nbytes)
 
     async def kv_snapshot(self) -> KVCacheSnapshot:
         """Every block hash in the prefix cache now (a router resyncs from it)."""

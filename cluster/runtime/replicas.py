@@ -6,6 +6,7 @@ Replicas launched with a ``name`` are detached named actors in the ``NAMESPACE``
 (``attach_replicas``), each with its own output stream from every replica."""
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import re
@@ -42,6 +43,14 @@ NAMESPACE = "pagedserve"
 _NAME = re.compile(r"^(?P<model>.+)-replica-(?P<index>\d+)$")
 
 
+class ReplicaRole(str, enum.Enum):
+    """What a replica runs: whole requests (the aggregated mode), or one phase of a disaggregated request."""
+
+    BOTH = "both"
+    PREFILL = "prefill"  # a prompt's KV and first token, handed to a decode replica
+    DECODE = "decode"  # the rest, and every request not worth handing off
+
+
 @dataclass(eq=False)
 class Replica:
     """A model replica: what launching it made (the scaler's), and its state as this process's router sees it."""
@@ -58,6 +67,7 @@ class Replica:
     error: str | None = None  # failed for good: its model fails every step the same way (the error)
     retiring: bool = False  # draining for a scale-in or a replacement; dropped from the list once its actor ends
     restarts: int = 0  # times this gateway saw its actor come back
+    role: ReplicaRole = ReplicaRole.BOTH
 
     @property
     def serving(self) -> bool:
@@ -87,12 +97,15 @@ def replica_name(model_name: str, index: int) -> str:
 
 
 def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_requests: int | None = None,
-                    step_timeout: float | None = None, name: str | None = None) -> list[Replica]:
+                    step_timeout: float | None = None, name: str | None = None,
+                    roles: list[ReplicaRole] | None = None) -> list[Replica]:
     """Start ``data_parallel_size`` replicas and warm them up; raises if they cannot be placed or loaded, or if a
     replica's model fails its warm-up request (``EngineUnavailableError`` with the model's error). ``name``: the
-    served model's name, making the replicas detached named actors (see the module's doc)."""
+    served model's name, making the replicas detached named actors (see the module's doc). ``roles``: each
+    replica's (default: every one runs whole requests)."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+    roles = roles or [ReplicaRole.BOTH] * data_parallel_size
     config = args.create_engine_config()  # validates the model dir and the TP split before any actor starts
     ensure_ray(args.ray_address)
     if name is not None:
@@ -102,7 +115,7 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
     # Placed together: a placement group may wait seconds for room, a GPU node check takes a fresh Ray worker.
     with ThreadPoolExecutor(min(data_parallel_size, 16)) as pool:
         started = [pool.submit(_start_replica, args, config, i, data_parallel_size, max_waiting_requests,
-                               step_timeout, name) for i in range(data_parallel_size)]
+                               step_timeout, name, role=roles[i]) for i in range(data_parallel_size)]
     replicas = [f.result() for f in started if f.exception() is None]
     failed = [f.exception() for f in started if f.exception() is not None]
     try:
@@ -119,12 +132,12 @@ def launch_replicas(args: EngineArgs, data_parallel_size: int = 1, max_waiting_r
 
 def launch_replica(args: EngineArgs, index: int, share: int, max_waiting_requests: int | None = None,
                    step_timeout: float | None = None, name: str | None = None,
-                   held_wait_s: float | None = HELD_CHECK_S) -> Replica:
+                   held_wait_s: float | None = HELD_CHECK_S, role: ReplicaRole = ReplicaRole.BOTH) -> Replica:
     """One more replica (a scale-out, or a rollout's replacement), warmed up, with a CPU share sized for ``share``
     replicas; released again if it cannot be placed or fails its warm-up. ``held_wait_s``: see
     ``make_placement_group``."""
     replica = _start_replica(args, args.create_engine_config(), index, share, max_waiting_requests, step_timeout,
-                             name, held_wait_s)
+                             name, held_wait_s, role)
     try:
         _warm_up([replica])
     except BaseException:
@@ -134,7 +147,8 @@ def launch_replica(args: EngineArgs, index: int, share: int, max_waiting_request
 
 
 def _start_replica(args: EngineArgs, config, index: int, share: int, max_waiting_requests: int | None,
-                   step_timeout: float | None, name: str | None, held_wait_s: float | None = HELD_CHECK_S) -> Replica:
+                   step_timeout: float | None, name: str | None, held_wait_s: float | None = HELD_CHECK_S,
+                   role: ReplicaRole = ReplicaRole.BOTH) -> Replica:
     """Place replica ``index`` and start its engine-core actor (not yet warmed up); ``share``: how many replicas
     divide the cluster's CPUs."""
     tp = config.parallel_config.tensor_parallel_size
@@ -168,11 +182,11 @@ def _start_replica(args: EngineArgs, config, index: int, share: int, max_waiting
                                                                  placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=False),
         ).remote(args, max_waiting_requests, threads, step_timeout,
-                 preflight_versions=local_versions() if in_actor else None)
+                 preflight_versions=local_versions() if in_actor else None, role=role.value)
     except BaseException:
         remove_placement_group(pg)
         raise
-    return Replica(index, actor, pg)
+    return Replica(index, actor, pg, role=role)
 
 
 def find_served_model(model_name: str | None = None) -> str | None:
@@ -193,7 +207,9 @@ def attach_replicas(model_name: str) -> list[Replica]:
     indices = sorted(int(m["index"]) for e in ray.util.list_named_actors(all_namespaces=True)
                      if e["namespace"] == NAMESPACE and (m := _NAME.match(e["name"])) is not None
                      and m["model"] == model_name)
-    return [Replica(i, ray.get_actor(replica_name(model_name, i), namespace=NAMESPACE), None) for i in indices]
+    actors = [ray.get_actor(replica_name(model_name, i), namespace=NAMESPACE) for i in indices]
+    roles = ray.get([a.get_role.remote() for a in actors])
+    return [Replica(i, a, None, role=ReplicaRole(role)) for i, a, role in zip(indices, actors, roles)]
 
 
 def _warm_up(replicas: list[Replica]) -> None:

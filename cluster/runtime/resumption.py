@@ -52,6 +52,7 @@ class InFlight:
     prefill: int = 0  # prompt tokens the router expects its replica to prefill, until the first output
     decode: int = 0  # output tokens it may still generate (estimated, capped)
     on_first_output: Callable[[], None] | None = None  # called (then cleared) when its first token arrives
+    decode_target: Replica | None = None  # prefilled on a prefill replica: the decode replica picked for it
 
     def charge(self, r: Replica) -> None:
         r.work += self.prefill + self.decode
@@ -113,6 +114,20 @@ class Resumption:
         finally:
             rec.resuming = False
 
+    async def continue_on(self, rec: InFlight, target: Replica | None) -> None:
+        """Go on with a request its prefill replica handed off, on ``target`` (its KV pulled there) or, if that
+        one does not serve or dies taking it, on another, as a resume (from the tokens streamed, with its seed)."""
+        if rec.resuming:
+            return
+        rec.resuming = True
+        try:
+            first = target if target is not None and target.serving else None
+            if first is not None:
+                rec.move(first)
+            await self._climb(rec, resume=True, first=first)
+        finally:
+            rec.resuming = False
+
     async def wait_for_replica(self, avoid: dict[int, int] | None = None) -> Replica | None:
         """A replica that can serve a resumed request, waiting up to RESUME_WAIT_S for one; None if none comes."""
         deadline = asyncio.get_running_loop().time() + RESUME_WAIT_S
@@ -126,26 +141,29 @@ class Resumption:
                 return None
             await self.health.changed(left)
 
-    async def _climb(self, rec: InFlight, resume: bool, session_id: str | None = None) -> None:
+    async def _climb(self, rec: InFlight, resume: bool, session_id: str | None = None,
+                     first: Replica | None = None) -> None:
         """Offer the request to a replica, and on to another while each refuses it (draining) or dies taking it.
-        A first send starts at ``rec.replica`` and raises what ends it; a resume picks (and waits for) its replicas
-        and ends the request through its queue."""
+        A first send starts at ``rec.replica`` and raises what ends it; a resume starts at ``first`` (already
+        ``rec.replica``) if given, else picks (and waits for) its replicas, and ends the request through its queue."""
         rid = rec.request.request_id
         failed: dict[int, int] = {}  # replica index -> its restarts when it failed this request
-        target, why = None if resume else rec.replica, ""
+        target, why = first if resume else rec.replica, ""
         while True:
             if target is None:
                 target = await self._next_resume(rec, failed) if resume else self._next_first(failed, why)
                 if target is None:  # the request ended meanwhile, or it ended here
                     return
                 rec.move(target)
+                if rec.request.do_remote_decode:  # its prefill replica failed it: the decode pool runs it whole
+                    rec.request = dataclasses.replace(rec.request, do_remote_decode=False)
                 if resume:
                     logger.info("resuming request %s on replica %d (attempt %d)", rid, target.index, rec.attempts)
                 else:
                     self.picker.stick(session_id, target.index)
             generation = target.restarts  # as picked: if it comes back while this try fails, it may be tried again
-            request = (dataclasses.replace(rec.request, resume=self.processor.resume_state(rid, rec.seed)) if resume
-                       else rec.request)
+            request = (dataclasses.replace(rec.request, resume=self.processor.resume_state(rid, rec.seed),
+                                           do_remote_decode=False) if resume else rec.request)
             try:
                 seed = await target.actor.add_request.remote(self.health.client_id, request)
                 if not resume:

@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from prometheus_client.core import Metric
 
+from pagedserve.cluster.runtime.handoff import DisaggConfig, Disaggregation
 from pagedserve.cluster.runtime.replica_health import ReplicaHealth
-from pagedserve.cluster.runtime.replicas import Replica
+from pagedserve.cluster.runtime.replicas import Replica, ReplicaRole
 from pagedserve.cluster.runtime.resumption import InFlight, Resumption
 from pagedserve.cluster.runtime.router_metrics import collect_metrics
 from pagedserve.cluster.runtime.routing import DECODE_ESTIMATE_CAP, LeastLoaded, ReplicaPicker, RoutingPolicy
@@ -38,7 +39,7 @@ class ReplicaRouter(EngineClient):
     """
 
     def __init__(self, replicas: list[Replica], tokenizer, infos: list[EngineInfo],
-                 policy: RoutingPolicy | None = None) -> None:
+                 policy: RoutingPolicy | None = None, disagg: DisaggConfig | None = None) -> None:
         self.replicas = list(replicas)
         self.info = dataclasses.replace(infos[0], num_kv_blocks=min(i.num_kv_blocks for i in infos))
         self.input_processor = InputProcessor(tokenizer, self.info)
@@ -47,8 +48,15 @@ class ReplicaRouter(EngineClient):
         self.picker = ReplicaPicker(self.replicas, policy or LeastLoaded(), self.info.block_size)
         self.health = ReplicaHealth(self.replicas, uuid.uuid4().hex, self._on_outputs, self._on_lost)
         self.resumption = Resumption(self.health, self.picker, self.processor, self.inflight)
+        # With a prefill pool, long prompts are prefilled there and handed to the decode pool (``handoff``).
+        self.disagg = None
+        if any(r.role == ReplicaRole.PREFILL for r in self.replicas):
+            self.disagg = Disaggregation(disagg or DisaggConfig(), self.replicas, self.info.block_size, self.picker,
+                                         self.resumption, self.inflight)
         self._ttfts: deque[float] = deque(maxlen=MAX_TTFT_SAMPLES)  # seconds to first output, since last taken
         self.metric_sources: list[Callable[[], list[Metric]]] = []  # more families for /metrics (the autoscaler)
+        if self.disagg is not None:
+            self.metric_sources.append(self.disagg.collect_metrics)
 
     def start(self) -> None:
         self.health.start()
@@ -99,6 +107,8 @@ class ReplicaRouter(EngineClient):
             rec = self.inflight.get(item.request_id)
             if rec is not None and rec.replica is not r:  # sent before the request moved: stale
                 continue
+            if rec is not None and self.disagg is not None and item.finish_reasons:
+                item = self.disagg.intercept(rec, r, item)
             outputs.append(item)
             if rec is None:
                 continue
@@ -136,10 +146,14 @@ class ReplicaRouter(EngineClient):
         if request_id in self.inflight:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
         pick = self.picker.route(request, session_id)
+        prefill = self.disagg.plan(request, pick) if self.disagg is not None else None
+        if prefill is not None:
+            request = dataclasses.replace(request, do_remote_decode=True)
         max_tokens = request.sampling_params.max_tokens or DECODE_ESTIMATE_CAP
-        rec = InFlight(request, asyncio.Queue(), pick.replica,
+        rec = InFlight(request, asyncio.Queue(), prefill or pick.replica,
                        prefill=len(request.prompt_token_ids) - pick.num_cached_tokens,
-                       decode=min(max_tokens, DECODE_ESTIMATE_CAP), on_first_output=on_first_output)
+                       decode=min(max_tokens, DECODE_ESTIMATE_CAP), on_first_output=on_first_output,
+                       decode_target=pick.replica if prefill is not None else None)
         self.inflight[request_id] = rec
         rec.replica.load += 1
         rec.charge(rec.replica)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from pagedserve.cluster.runtime.replicas import Replica, health_detail
+from pagedserve.cluster.runtime.replicas import Replica, ReplicaRole, health_detail
 from pagedserve.common.errors import EngineUnavailableError
 from pagedserve.engine.core_types import EngineCoreRequest
 from pagedserve.scheduler.block_manager import prompt_block_hashes
@@ -148,12 +148,18 @@ def default_policy(data_parallel_size: int) -> str:
     return "prefix-aware" if data_parallel_size > 1 else "least-loaded"
 
 
+WHOLE_REQUESTS = frozenset({ReplicaRole.BOTH, ReplicaRole.DECODE})
+
+
 class ReplicaPicker:
     """The replica for each request, from the replicas' state as it is now: one that is restarting or rebuilding is
-    skipped, never waited on. ``replicas``: the router's list (it changes as replicas come and go)."""
+    skipped, never waited on. ``replicas``: the router's list (it changes as replicas come and go), of which this
+    picker considers those of ``roles`` (a pool: the decode pool also runs whole requests, and every resume)."""
 
-    def __init__(self, replicas: list[Replica], policy: RoutingPolicy, block_size: int) -> None:
+    def __init__(self, replicas: list[Replica], policy: RoutingPolicy, block_size: int,
+                 roles: frozenset[ReplicaRole] = WHOLE_REQUESTS) -> None:
         self.replicas = replicas
+        self.roles = roles
         self.policy = policy
         self.block_size = block_size
         self._sessions: OrderedDict[str, int] = OrderedDict()  # session id -> replica index it last used
@@ -163,10 +169,13 @@ class ReplicaPicker:
     def replica(self, index: int) -> Replica | None:
         return next((r for r in self.replicas if r.index == index), None)
 
+    def pool(self) -> list[Replica]:
+        return [r for r in self.replicas if r.role in self.roles]
+
     def live(self) -> list[Replica]:
-        live = [r for r in self.replicas if r.serving]
+        live = [r for r in self.pool() if r.serving]
         if not live:
-            raise EngineUnavailableError(f"no model replica is available ({health_detail(self.replicas)})")
+            raise EngineUnavailableError(f"no model replica is available ({health_detail(self.pool())})")
         return live
 
     def route(self, request: EngineCoreRequest, session_id: str | None = None) -> Pick[Replica]:
@@ -211,5 +220,5 @@ class ReplicaPicker:
 
     def least_loaded(self, tried: dict[int, int]) -> Replica | None:
         """The least-loaded replica that serves now and is not in ``tried`` (None if none is left)."""
-        others = [r for r in self.replicas if r.serving and r.index not in tried]
+        others = [r for r in self.pool() if r.serving and r.index not in tried]
         return min(others, key=lambda r: r.load) if others else None
