@@ -62,12 +62,12 @@ class PrefixCounters:
 class Served:
     """``serve()`` on its own loop in a thread, joined to the simulated cluster."""
 
-    def __init__(self, args: EngineArgs, dp: int, policy: str, port: int, http_port: int,
-                 balance_factor: float = DEFAULT_BALANCE_FACTOR) -> None:
+    def __init__(self, args: EngineArgs, dp: int, policy: str | None, port: int, http_port: int,
+                 balance_factor: float = DEFAULT_BALANCE_FACTOR, **opts) -> None:
         # allow_unauthenticated_ray: the simulated cluster runs without token auth, on this host alone.
         self.opts = ServeOptions(host="127.0.0.1", grpc_port=port, http_port=http_port, metrics_port=0,
-                                 allow_unauthenticated_ray=True,
-                                 data_parallel_size=dp, routing_policy=policy, routing_balance_factor=balance_factor)
+                                 allow_unauthenticated_ray=True, data_parallel_size=dp, routing_policy=policy,
+                                 routing_balance_factor=balance_factor, **opts)
         self.url = f"http://127.0.0.1:{http_port}"
         self.ready = threading.Event()
         self.gateway = None

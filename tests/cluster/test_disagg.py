@@ -106,26 +106,56 @@ def test_structured_output_across_the_handoff(ray_cluster, llama_dir):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("when", ["first_send", "first_handoff"])
-def test_killing_the_prefill_replica_leaves_every_stream_token_exact(ray_cluster, llama_dir, when):
+@pytest.mark.parametrize("role, when", [(ReplicaRole.PREFILL, "first_send"), (ReplicaRole.PREFILL, "first_handoff"),
+                                        (ReplicaRole.DECODE, "first_handoff")])
+def test_killing_a_replica_leaves_every_stream_token_exact(ray_cluster, llama_dir, role, when):
     prompts = random_prompts(12, seed=44, min_len=60, max_len=150)
     body = dict(temperature=0.7, seed=11, max_tokens=16, ignore_eos=True)
     want = _reference(llama_dir, prompts, SamplingParams(temperature=0.7, seed=11, max_tokens=16, ignore_eos=True))
     srv = _serve(llama_dir)
     try:
-        prefill = next(r for r in srv.replicas if r.role == ReplicaRole.PREFILL)
+        victim = next(r for r in srv.replicas if r.role == role)
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(_complete, srv, p, **body) for p in prompts]
             family, key = (("pagedserve_disagg_decisions_total", (("decision", "remote"),)) if when == "first_send"
                            else ("pagedserve_kv_transfer_seconds_count", ()))
             while not _metric(srv, family).get(key):
                 time.sleep(0.005)
-            ray.kill(prefill.actor, no_restart=False)  # SIGKILL; Ray restarts it
+            ray.kill(victim.actor, no_restart=False)  # SIGKILL; Ray restarts it
             got = [f.result(timeout=300) for f in futures]
         assert got == want
-        if when == "first_handoff":  # the others' pulls met a dead prefill replica, and their blocks were computed
+        if role == ReplicaRole.PREFILL and when == "first_handoff":  # later pulls met a dead prefill replica
             causes = {dict(k)["cause"] for k in _metric(srv, "pagedserve_handoffs_total")}
             assert "prefill_lost" in causes, causes
         _all_blocks_free(srv)
+    finally:
+        srv.stop()
+
+
+def _stream_until(srv: ServerThread, prompt: list[int], tokens_before_abort: int) -> int:
+    """Stream a completion and drop the connection after this many tokens (0: before the first); tokens seen."""
+    seen = 0
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx2.stream("POST", f"{srv.http_url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if seen >= tokens_before_abort:
+                break
+            if line.startswith("data: {"):
+                seen += 1
+    return seen
+
+
+def test_client_aborts_in_each_phase_free_every_block(ray_cluster, llama_dir):
+    """A client that goes away before its first token (prefill replica), at the first token (the handoff) and
+    while it decodes leaves no block held on either pool, and no lease."""
+    prompts = random_prompts(6, seed=45, min_len=80, max_len=120)
+    srv = _serve(llama_dir)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            seen = list(pool.map(_stream_until, [srv] * len(prompts), prompts, [0, 1, 1, 3, 8, 20]))
+        assert seen == [0, 1, 1, 3, 8, 20]
+        assert _metric(srv, "pagedserve_disagg_decisions_total")[(("decision", "remote"),)] == len(prompts)
+        _all_blocks_free(srv)
+        assert not srv.gateway.state.engine.inflight
     finally:
         srv.stop()
