@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -49,7 +50,7 @@ async def stream(session: aiohttp.ClientSession, url: str, prompt: list[int], ma
         async for line in r.content:
             if line.startswith(b"data: {") and any(c.get("text") for c in json.loads(line[6:])["choices"]):
                 times.append(time.perf_counter())
-    return Stream(times[0] - t0, [b - a for a, b in zip(times, times[1:])], len(times))
+    return Stream(times[0] - t0, [b - a for a, b in itertools.pairwise(times)], len(times))
 
 
 def pct(xs: list[float], q: float) -> float:

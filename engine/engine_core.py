@@ -18,7 +18,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.executor import Executor, create_executor
 from pagedserve.engine.gc_heap import freeze_gc_heap
-from pagedserve.engine.kv_transfer import KVHandoff
+from pagedserve.engine.kv_transfer import KVHandoff, seal, verified
 from pagedserve.engine.tokenizer import guidance_tokenizer, load_tokenizer
 from pagedserve.scheduler.kv_events import BlockHash, KVCacheSnapshot, KVEvent
 from pagedserve.scheduler.request import Request, Sequence, child_seed
@@ -207,16 +207,18 @@ class EngineCore:
         """How many leading blocks of this chain this engine's prefix cache holds."""
         return len(self.scheduler.block_manager.cached_run(block_hashes))
 
-    def export_kv(self, block_hashes: list[BlockHash]) -> KVHandoff:
-        """The producer side: the KV of the leading run of these blocks this engine holds (maybe none)."""
+    def read_kv(self, block_hashes: list[BlockHash]) -> KVHandoff:
+        """The producer side: the KV of the leading run of these blocks this engine holds (maybe none), unsealed
+        (``kv_transfer.seal`` it off the engine thread)."""
         bm = self.scheduler.block_manager
         blocks = bm.cached_run(block_hashes)
         ranks = self.executor.read_kv_blocks(blocks) if blocks else []
         return KVHandoff(block_hashes[:len(blocks)], bm.block_token_ids(blocks), ranks)
 
-    def import_kv(self, handoff: KVHandoff, parent_hash: BlockHash | None) -> int:
-        """The consumer side: write the handed-off blocks (chained to the cached ``parent_hash``) into free blocks
-        and the prefix cache; returns how many went in (none when the pool has no room to spare)."""
+    def write_kv(self, handoff: KVHandoff, parent_hash: BlockHash | None) -> int:
+        """The consumer side: write handed-off blocks, already ``kv_transfer.verified``, chained to the cached
+        ``parent_hash``, into free blocks and the prefix cache; returns how many went in (none when the pool has no
+        room to spare)."""
         bm = self.scheduler.block_manager
         blocks = bm.reserve(handoff.num_blocks) if handoff.num_blocks else []
         if not blocks:
@@ -226,10 +228,15 @@ class EngineCore:
             written = self.executor.write_kv_blocks(blocks, handoff.ranks)
         finally:
             inserted = bm.insert_cached(blocks, handoff.block_hashes, handoff.token_ids, parent_hash, written)
-        if written < handoff.num_blocks:
-            logger.warning("KV handoff: %d of %d blocks failed their digest check; they are recomputed",
-                           handoff.num_blocks - written, handoff.num_blocks)
         return inserted
+
+    def export_kv(self, block_hashes: list[BlockHash]) -> KVHandoff:
+        """``read_kv``, sealed (in process: the offline engine, the tests)."""
+        return seal(self.read_kv(block_hashes))
+
+    def import_kv(self, handoff: KVHandoff, parent_hash: BlockHash | None) -> int:
+        """``write_kv`` of the blocks that pass their checksums."""
+        return self.write_kv(verified(handoff), parent_hash)
 
     def release_kv(self, request_id: str) -> bool:
         """The producer side: the decode replica has the blocks (or gave up): stop holding them."""

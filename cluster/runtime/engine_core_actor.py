@@ -31,7 +31,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_types import EngineCoreRequest, EngineInfo, EngineStats
 from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.executor import RayPlacement, create_executor
-from pagedserve.engine.kv_transfer import KVHandoff, KVImport
+from pagedserve.engine.kv_transfer import KVHandoff, KVImport, seal, verified
 from pagedserve.scheduler.kv_events import BlockHash, KVCacheSnapshot, KVEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
@@ -321,20 +321,26 @@ class EngineCoreActor:
         return self.role
 
     async def export_kv(self, block_hashes: list[BlockHash]) -> KVHandoff:
-        """The producer side: the KV of the leading run of these cached blocks, every TP rank's."""
-        return await self._on_engine(self.core.export_kv, block_hashes)
+        """The producer side: the KV of the leading run of these cached blocks, every TP rank's, sealed with their
+        checksums off the engine thread."""
+        return await asyncio.to_thread(seal, await self._on_engine(self.core.read_kv, block_hashes))
 
     async def release_kv(self, request_id: str) -> bool:
         return await self._on_engine(self.core.release_kv, request_id)
 
     async def pull_kv(self, producer: ray.actor.ActorHandle, block_hashes: list[BlockHash]) -> KVImport:
         """The consumer side: fetch from ``producer`` (another replica's actor) the blocks of this chain not cached
-        here, straight from actor to actor, and put those that arrive intact into the prefix cache."""
+        here, straight from actor to actor, check them off the engine thread, and put the intact leading ones into
+        the prefix cache."""
         have = await self._on_engine(self.core.num_cached_blocks, block_hashes)
         if have == len(block_hashes):
             return KVImport(have)
         handoff = await producer.export_kv.remote(block_hashes[have:])
-        inserted = await self._on_engine(self.core.import_kv, handoff, block_hashes[have - 1] if have else None)
+        intact = await asyncio.to_thread(verified, handoff)
+        if intact.num_blocks < handoff.num_blocks:
+            logger.warning("KV handoff: %d of %d blocks failed their checksum; they are recomputed",
+                           handoff.num_blocks - intact.num_blocks, handoff.num_blocks)
+        inserted = await self._on_engine(self.core.write_kv, intact, block_hashes[have - 1] if have else None)
         return KVImport(have, handoff.num_blocks, inserted, handoff.nbytes)
 
     async def kv_snapshot(self) -> KVCacheSnapshot:

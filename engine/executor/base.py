@@ -38,7 +38,7 @@ class Executor(ABC):
 
     def write_kv_blocks(self, block_ids: list[int], data: list[KVBlockData]) -> int:
         """Rank i writes ``data[i]`` (another replica's rank i) into ``block_ids``; returns how many leading blocks
-        every rank wrote, their digests matching."""
+        every rank wrote."""
         raise KVTransferError(f"{type(self).__name__} cannot write KV blocks in")
 
     def worker_pids(self) -> list[int]:
