@@ -6,7 +6,7 @@ latency p50/p99, the long prompts' TTFT p50/p99, output tok/s, goodput (output t
 SLO: a stream's ITL p99, a long prompt's TTFT) and the KV bytes moved per handoff. Writes
 benchmarks/results/disagg-<cpu>.{json,png}.
 
-    python benchmarks/bench_disagg.py [--model DIR] [--streams 16] [--bursts 4] [--burst-size 3] [--prompt-len 1536]
+    python benchmarks/bench_disagg.py [--model DIR] [--streams 16] [--bursts 6] [--burst-size 3] [--prompt-len 1536]
 
 Targets (issue 68): ITL p99 <= 0.5x aggregated at >= 0.9x its output throughput.
 """
@@ -140,10 +140,10 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model dir (default: the reference model bench-llama-58m)")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--stream-prompt-len", type=int, default=32)
-    ap.add_argument("--stream-tokens", type=int, default=160)
-    ap.add_argument("--bursts", type=int, default=4)
+    ap.add_argument("--stream-tokens", type=int, default=512)
+    ap.add_argument("--bursts", type=int, default=6)
     ap.add_argument("--burst-size", type=int, default=3)
-    ap.add_argument("--burst-every-s", type=float, default=2.0)
+    ap.add_argument("--burst-every-s", type=float, default=1.0)
     ap.add_argument("--prompt-len", type=int, default=1536)
     ap.add_argument("--burst-tokens", type=int, default=8)
     ap.add_argument("--chunks", default="2048,256", help="aggregated: the chunk sizes (max_num_batched_tokens) tried")

@@ -171,6 +171,8 @@ HEADLINES = {
     "moe": _moe,
     "cluster": lambda d: (f"prefix-aware / least-loaded: {_x(d['summary']['throughput_vs_least_loaded'])} out tok/s, "
                           f"TTFT p50 {_x(d['summary']['ttft_p50_vs_least_loaded'])}"),
+    "disagg": lambda d: (f"1P+1D / aggregated: ITL p99 {_x(d['summary']['itl_p99_vs_aggregated'])} at "
+                         f"{_x(d['summary']['throughput_vs_aggregated'])} out tok/s"),
     "tp": lambda d: ("TP=2 / TP=1 out tok/s: "
                      f"{_x(d['throughput']['tp2_plain_calls_out_tok_s'] / d['throughput']['tp1_out_tok_s'])}"),
 }
