@@ -352,6 +352,25 @@ def test_single_node_data_parallel_takes_tp_times_dp_gpus():
     assert c["resources"]["limits"][GPU] == 8
 
 
+def test_disaggregated_replicas_pass_their_flags_and_take_their_gpus():
+    """engine.prefillReplicas / decodeReplicas become serve's --prefill-replicas / --decode-replicas (no
+    --data-parallel-size); single-node, the pod takes a TP group's GPUs per replica of both pools; KubeRay gateways
+    get the conditional-disaggregation knob."""
+    docs = objects_for(merged("gpu-tp4", **{"engine.prefillReplicas": 1, "engine.decodeReplicas": 2,
+                                            "engine.maxLocalPrefillLength": 256}))
+    _, c = gateway(docs)
+    f = flags(c)
+    assert (f["prefill-replicas"], f["decode-replicas"], f["max-local-prefill-length"]) == ("1", "2", "256")
+    assert "data-parallel-size" not in f
+    assert c["resources"]["limits"][GPU] == 4 * 3
+    docs = objects_for(merged("kuberay-dp2", **{"engine.dataParallelSize": 1, "engine.prefillReplicas": 1,
+                                                "engine.decodeReplicas": 1, "engine.maxLocalPrefillLength": 64,
+                                                "kuberay.gateways.enabled": True}))
+    pods = dict(all_pods(docs))
+    assert flags(pods["head"]["spec"]["containers"][0])["prefill-replicas"] == "1"
+    assert flags(pods["gateway"]["spec"]["containers"][0])["max-local-prefill-length"] == "64"
+
+
 def test_kuberay_gpus_per_worker_equal_tp_and_replicas_fit():
     docs = objects("kuberay-dp2")
     _, head = gateway(docs)
@@ -691,6 +710,16 @@ BAD_VALUES = {
                             "kuberay": {"workerGroups": [{"name": "g", "replicas": 1, "gpusPerPod": 4}]}},
     # Elastic replicas (issue 34): server.autoscale as `serve --autoscale` parses it, KubeRay's worker ranges, KEDA.
     "an autoscale key serve does not know": {"server": {"autoscale": "min=1,max=4,queue=3"}},
+    # Disaggregated prefill and decode (issue 68), as `serve` refuses it.
+    "prefill replicas without decode replicas": {"engine": {"prefillReplicas": 1}},
+    "decode replicas without prefill replicas": {"engine": {"decodeReplicas": 2}},
+    "prefill replicas beside data parallelism": {"engine": {"prefillReplicas": 1, "decodeReplicas": 1,
+                                                            "dataParallelSize": 2}},
+    "prefill replicas with the autoscaler": {"engine": {"prefillReplicas": 1, "decodeReplicas": 1},
+                                             "server": {"autoscale": "max=3"}},
+    "prefill replicas beyond the worker pods": {"mode": "kuberay", "gpu": {"enabled": True},
+                                                "engine": {"prefillReplicas": 1, "decodeReplicas": 2},
+                                                "kuberay": {"workerGroups": [{"name": "g", "replicas": 2}]}},
     "an autoscale without KEY=VALUE": {"server": {"autoscale": "max"}},
     "an autoscale min of zero": {"server": {"autoscale": "min=0,max=2"}},
     "an autoscale max that is no integer": {"server": {"autoscale": "max=2.5"}},

@@ -58,10 +58,32 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if $found }}{{ regexFind "[0-9.]+$" (last $found) }}{{ else }}{{ .default }}{{ end -}}
 {{- end -}}
 
+{{/* The model replicas the server starts with: prefill plus decode replicas when disaggregated, else
+   dataParallelSize; fails on a disaggregated setting `serve` refuses. */}}
+{{- define "pagedserve.replicas" -}}
+{{- $e := .Values.engine -}}
+{{- if gt (int $e.prefillReplicas) 0 -}}
+{{- if lt (int $e.decodeReplicas) 1 -}}
+{{- fail "engine.prefillReplicas needs engine.decodeReplicas >= 1" -}}
+{{- end -}}
+{{- if ne (int $e.dataParallelSize) 1 -}}
+{{- fail "engine.prefillReplicas and engine.decodeReplicas replace engine.dataParallelSize: leave it at 1" -}}
+{{- end -}}
+{{- if .Values.server.autoscale -}}
+{{- fail "server.autoscale scales replicas that run whole requests, not the prefill and decode pools: unset it" -}}
+{{- end -}}
+{{- add (int $e.prefillReplicas) (int $e.decodeReplicas) -}}
+{{- else if gt (int $e.decodeReplicas) 0 -}}
+{{- fail "engine.decodeReplicas needs engine.prefillReplicas >= 1 (without, use engine.dataParallelSize)" -}}
+{{- else -}}
+{{- int $e.dataParallelSize -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The most model replicas the server runs: the in-server autoscaler's max where server.autoscale is set (at least
-   the data-parallel replicas it starts with), else dataParallelSize. */}}
+   the data-parallel replicas it starts with), else the replicas it starts with. */}}
 {{- define "pagedserve.maxReplicas" -}}
-{{- $dp := int .Values.engine.dataParallelSize -}}
+{{- $dp := int (include "pagedserve.replicas" .) -}}
 {{- if .Values.server.autoscale -}}
 {{- max $dp (int (include "pagedserve.autoscaleKey" (dict "spec" .Values.server.autoscale "key" "max" "default" 4))) -}}
 {{- else -}}
@@ -142,8 +164,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 {{- if $v.gpu.enabled -}}
-{{- if lt (int $slots) (int $v.engine.dataParallelSize) -}}
-{{- fail (printf "the worker groups hold %d TP groups of %d GPUs, fewer than dataParallelSize %d" (int $slots) $tp (int $v.engine.dataParallelSize)) -}}
+{{- $replicas := int (include "pagedserve.replicas" .) -}}
+{{- if lt (int $slots) $replicas -}}
+{{- fail (printf "the worker groups hold %d TP groups of %d GPUs, fewer than the %d replicas" (int $slots) $tp $replicas) -}}
 {{- end -}}
 {{- $want := int (include "pagedserve.maxReplicas" .) -}}
 {{- if lt (int $maxSlots) $want -}}

@@ -25,7 +25,15 @@
 - --dtype={{ $e.dtype }}
 {{- end }}
 - --tensor-parallel-size={{ $e.tensorParallelSize }}
+{{- if gt (int (include "pagedserve.replicas" .)) (int $e.dataParallelSize) }}
+- --prefill-replicas={{ $e.prefillReplicas }}
+- --decode-replicas={{ $e.decodeReplicas }}
+{{- else }}
 - --data-parallel-size={{ $e.dataParallelSize }}
+{{- end }}
+{{- with $e.maxLocalPrefillLength }}
+- --max-local-prefill-length={{ . }}
+{{- end }}
 {{- with $e.maxModelLen }}
 - --max-model-len={{ . }}
 {{- end }}
