@@ -96,10 +96,10 @@ def run(args: EngineArgs, port: int, ns, **opts) -> dict:
         asyncio.run(scenario(srv.url, _warmup(ns), seed=1))
         res = asyncio.run(scenario(srv.url, ns))
         engine = srv.gateway.state.engine
-        if engine.disagg is not None:
+        if engine.disagg.enabled:
             st = engine.disagg.stats
             handoffs = sum(st.outcomes.values())
-            res.update(handoffs=handoffs, outcomes={f"{o}/{c}": n for (o, c), n in st.outcomes.items()},
+            res.update(handoffs=handoffs, outcomes=dict(st.outcomes), failures=dict(st.failures),
                        kv_bytes_per_handoff=st.bytes / max(1, handoffs), kv_blocks_moved=st.blocks,
                        kv_transfer_mean_s=st.seconds_sum / max(1, handoffs))
         return res

@@ -41,9 +41,10 @@ DEFAULT_PULL_TIMEOUT_S = 30.0
 REMOTE_DECODE = "remote_decode"  # the prefill engine's finish reason for a request it hands off
 TRANSFER_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # How a handoff ended (pagedserve_handoffs_total's ``outcome``): every block pulled; some (or none) pulled and the
-# rest recomputed on the decode replica, with the cause; or the request ended meanwhile.
+# rest recomputed on the decode replica; or the request ended meanwhile.
 OUTCOMES = ("pulled", "partial", "recomputed", "aborted")
-CAUSES = ("none", "blocks_missing", "blocks_refused", "prefill_lost", "decode_lost", "timeout", "error")
+# Why blocks were not pulled (pagedserve_handoff_failures_total's ``cause``).
+CAUSES = ("blocks_missing", "blocks_refused", "prefill_lost", "decode_lost", "timeout", "error")
 
 
 @dataclass(frozen=True)
@@ -60,14 +61,17 @@ class DisaggConfig:
 class HandoffStats:
     remote: int = 0  # requests prefilled on the prefill pool
     local: int = 0  # prefilled on their decode replica (short, or cached there)
-    outcomes: dict[tuple[str, str], int] = field(default_factory=dict)  # (outcome, cause) -> handoffs
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
     blocks: int = 0
     bytes: int = 0
     seconds: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_BUCKETS_S) + 1))
     seconds_sum: float = 0.0
 
-    def record(self, outcome: str, cause: str) -> None:
-        self.outcomes[(outcome, cause)] = self.outcomes.get((outcome, cause), 0) + 1
+    def record(self, outcome: str, cause: str | None) -> None:
+        self.outcomes[outcome] += 1
+        if cause is not None:
+            self.failures[cause] += 1
 
     def observe(self, result: KVImport, seconds: float) -> None:
         self.blocks += result.num_inserted
@@ -89,6 +93,11 @@ class Disaggregation:
         self.inflight = inflight
         self.stats = HandoffStats()
         self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the router has a prefill pool (replicas of role PREFILL, serving or not)."""
+        return bool(self.prefill_picker.pool())
 
     def plan(self, request: EngineCoreRequest, decode: Pick[Replica]) -> Replica | None:
         """The prefill replica for a new request, or None: prefilled on its decode replica (short or mostly cached
@@ -123,7 +132,7 @@ class Disaggregation:
         rid = request.request_id
         rec.resuming = True  # a replica lost meanwhile is this handoff's to deal with, not a resume's
         target = rec.decode_target if rec.decode_target is not None and rec.decode_target.serving else None
-        outcome, cause = "recomputed", "error"
+        outcome, cause = "recomputed", "error"  # until the pull says otherwise
         try:
             if target is None:
                 target = self.decode_picker.pick()
@@ -149,10 +158,10 @@ class Disaggregation:
             if prefill.alive:
                 prefill.actor.release_kv.remote(rid)
         if self.inflight.get(rid) is not rec:
-            self.stats.record("aborted", cause if outcome == "recomputed" else "none")
+            self.stats.record("aborted", cause)
             return
         self.stats.record(outcome, cause)
-        if cause != "none":
+        if cause is not None:
             logger.info("KV handoff of request %s: %s (%s); the decode replica computes the rest", rid, outcome, cause)
         rec.request = dataclasses.replace(request, do_remote_decode=False)
         await self.resumption.continue_on(rec, target)
@@ -165,9 +174,14 @@ class Disaggregation:
         decisions.add_metric(["remote"], s.remote)
         decisions.add_metric(["local"], s.local)
         handoffs = CounterMetricFamily("pagedserve_handoffs", "KV handoffs from a prefill to a decode replica, by "
-                                       "outcome and the cause of any block not pulled.", labels=["outcome", "cause"])
-        for (outcome, cause), n in sorted(s.outcomes.items()):
-            handoffs.add_metric([outcome, cause], n)
+                                       "outcome: every block pulled, some, none (the decode replica computed the "
+                                       "rest), or the request ended meanwhile.", labels=["outcome"])
+        for outcome, n in s.outcomes.items():
+            handoffs.add_metric([outcome], n)
+        failures = CounterMetricFamily("pagedserve_handoff_failures", "KV handoffs that left blocks to compute, by "
+                                       "cause.", labels=["cause"])
+        for cause, n in s.failures.items():
+            failures.add_metric([cause], n)
         blocks = CounterMetricFamily("pagedserve_kv_transfer_blocks", "KV blocks pulled into decode replicas.")
         blocks.add_metric([], s.blocks)
         moved = CounterMetricFamily("pagedserve_kv_transfer_bytes", "KV bytes pulled into decode replicas.")
@@ -178,13 +192,13 @@ class Disaggregation:
             cumulative += n
             buckets.append((bound, cumulative))
         seconds.add_metric([], buckets, s.seconds_sum)
-        return [decisions, handoffs, blocks, moved, seconds]
+        return [decisions, handoffs, failures, blocks, moved, seconds]
 
 
-def _judge(result: KVImport, num_blocks: int) -> tuple[str, str]:
+def _judge(result: KVImport, num_blocks: int) -> tuple[str, str | None]:
     """(outcome, cause) of a pull of ``num_blocks`` blocks."""
     if result.num_cached + result.num_inserted >= num_blocks:
-        return "pulled", "none"
+        return "pulled", None
     cause = "blocks_refused" if result.num_received > result.num_inserted else "blocks_missing"
     return ("partial" if result.num_inserted else "recomputed"), cause
 

@@ -14,7 +14,7 @@ from prometheus_client.core import Metric
 
 from pagedserve.cluster.runtime.handoff import DisaggConfig, Disaggregation
 from pagedserve.cluster.runtime.replica_health import ReplicaHealth
-from pagedserve.cluster.runtime.replicas import Replica, ReplicaRole
+from pagedserve.cluster.runtime.replicas import Replica
 from pagedserve.cluster.runtime.resumption import InFlight, Resumption
 from pagedserve.cluster.runtime.router_metrics import collect_metrics
 from pagedserve.cluster.runtime.routing import DECODE_ESTIMATE_CAP, LeastLoaded, ReplicaPicker, RoutingPolicy
@@ -49,14 +49,11 @@ class ReplicaRouter(EngineClient):
         self.health = ReplicaHealth(self.replicas, uuid.uuid4().hex, self._on_outputs, self._on_lost)
         self.resumption = Resumption(self.health, self.picker, self.processor, self.inflight)
         # With a prefill pool, long prompts are prefilled there and handed to the decode pool (``handoff``).
-        self.disagg = None
-        if any(r.role == ReplicaRole.PREFILL for r in self.replicas):
-            self.disagg = Disaggregation(disagg or DisaggConfig(), self.replicas, self.info.block_size, self.picker,
-                                         self.resumption, self.inflight)
+        self.disagg = Disaggregation(disagg or DisaggConfig(), self.replicas, self.info.block_size, self.picker,
+                                     self.resumption, self.inflight)
         self._ttfts: deque[float] = deque(maxlen=MAX_TTFT_SAMPLES)  # seconds to first output, since last taken
-        self.metric_sources: list[Callable[[], list[Metric]]] = []  # more families for /metrics (the autoscaler)
-        if self.disagg is not None:
-            self.metric_sources.append(self.disagg.collect_metrics)
+        # More families for /metrics: the handoffs' (zero without a prefill pool), the autoscaler's.
+        self.metric_sources: list[Callable[[], list[Metric]]] = [self.disagg.collect_metrics]
 
     def start(self) -> None:
         self.health.start()
@@ -107,7 +104,7 @@ class ReplicaRouter(EngineClient):
             rec = self.inflight.get(item.request_id)
             if rec is not None and rec.replica is not r:  # sent before the request moved: stale
                 continue
-            if rec is not None and self.disagg is not None and item.finish_reasons:
+            if rec is not None and rec.decode_target is not None and item.finish_reasons:
                 item = self.disagg.intercept(rec, r, item)
             outputs.append(item)
             if rec is None:
@@ -146,7 +143,7 @@ class ReplicaRouter(EngineClient):
         if request_id in self.inflight:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
         pick = self.picker.route(request, session_id)
-        prefill = self.disagg.plan(request, pick) if self.disagg is not None else None
+        prefill = self.disagg.plan(request, pick) if self.disagg.enabled else None
         if prefill is not None:
             request = dataclasses.replace(request, do_remote_decode=True)
         max_tokens = request.sampling_params.max_tokens or DECODE_ESTIMATE_CAP
