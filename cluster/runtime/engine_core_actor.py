@@ -69,6 +69,7 @@ class EngineCoreActor:
                  gateway_lease_s: float = GATEWAY_LEASE_S,
                  preflight_versions: Mapping[str, str] | None = None, role: str = "both") -> None:
         self.role = role  # the router's ReplicaRole, for gateways that attach by name
+        self._corrupt_exports = 0  # see corrupt_kv_exports
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._preflight: NodeReport | None = None
         if preflight_versions is not None and not ray.get_runtime_context().was_current_actor_reconstructed:
@@ -323,7 +324,16 @@ class EngineCoreActor:
     async def export_kv(self, block_hashes: list[BlockHash]) -> KVHandoff:
         """The producer side: the KV of the leading run of these cached blocks, every TP rank's, sealed with their
         checksums off the engine thread."""
-        return await asyncio.to_thread(seal, await self._on_engine(self.core.read_kv, block_hashes))
+        handoff = await asyncio.to_thread(seal, await self._on_engine(self.core.read_kv, block_hashes))
+        if self._corrupt_exports > 0 and handoff.num_blocks > 1:
+            self._corrupt_exports -= 1
+            handoff.ranks[-1].k[0, 1].view(torch.uint8).view(-1)[0] ^= 0xFF  # the second block, after sealing
+        return handoff
+
+    def corrupt_kv_exports(self, count: int) -> None:
+        """Fault injection (tests, drills): flip a byte of the second block of the next ``count`` exports after their
+        checksums were taken, as a bad link or bad memory would."""
+        self._corrupt_exports = count
 
     async def release_kv(self, request_id: str) -> bool:
         return await self._on_engine(self.core.release_kv, request_id)

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 
 import ray
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from pagedserve.cluster.runtime.replica_health import unwrap
 from pagedserve.cluster.runtime.replicas import Replica, ReplicaRole
@@ -192,7 +192,15 @@ class Disaggregation:
             cumulative += n
             buckets.append((bound, cumulative))
         seconds.add_metric([], buckets, s.seconds_sum)
-        return [decisions, handoffs, failures, blocks, moved, seconds]
+        requests = GaugeMetricFamily("pagedserve_pool_requests", "Requests this gateway runs on each pool: prefill "
+                                     "(until their handoff), decode (every replica that decodes: all of them without "
+                                     "a prefill pool).", labels=["pool"])
+        replicas = GaugeMetricFamily("pagedserve_pool_replicas", "Replicas serving in each pool.", labels=["pool"])
+        for pool, picker in (("prefill", self.prefill_picker), ("decode", self.decode_picker)):
+            members = picker.pool()
+            requests.add_metric([pool], sum(r.load for r in members))
+            replicas.add_metric([pool], sum(r.serving for r in members))
+        return [decisions, handoffs, failures, blocks, moved, seconds, requests, replicas]
 
 
 def _judge(result: KVImport, num_blocks: int) -> tuple[str, str | None]:

@@ -75,6 +75,7 @@ def test_handed_off_requests_equal_the_aggregated_engine(ray_cluster, llama_dir)
     try:
         roles = sorted(r.role for r in srv.replicas)
         assert roles == sorted([ReplicaRole.PREFILL, ReplicaRole.DECODE])
+        assert _metric(srv, "pagedserve_pool_replicas") == {(("pool", "prefill"),): 1, (("pool", "decode"),): 1}
         for (body, _), want in zip(cases, expected):
             for prompt, tokens in zip(long_prompts + short, want):
                 assert _complete(srv, prompt, **body) == tokens
@@ -158,5 +159,26 @@ def test_client_aborts_in_each_phase_free_every_block(ray_cluster, llama_dir):
         assert _metric(srv, "pagedserve_disagg_decisions_total")[(("decision", "remote"),)] == len(prompts)
         _all_blocks_free(srv)
         assert not srv.gateway.state.engine.inflight
+    finally:
+        srv.stop()
+
+
+def test_blocks_corrupted_on_the_wire_are_refused_and_recomputed(ray_cluster, llama_dir):
+    """Under 32 concurrent streams, the prefill replica's next exports each carry a flipped byte in their second
+    block: the decode replica keeps only the first block of each, computes the rest, and every output is exact."""
+    prompts = random_prompts(32, seed=46, min_len=60, max_len=150)
+    body = dict(temperature=0.7, seed=13, max_tokens=8)
+    want = _reference(llama_dir, prompts, SamplingParams(temperature=0.7, seed=13, max_tokens=8))
+    srv = _serve(llama_dir)
+    try:
+        prefill = next(r for r in srv.replicas if r.role == ReplicaRole.PREFILL)
+        ray.get(prefill.actor.corrupt_kv_exports.remote(8))
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: _complete(srv, p, **body), prompts))
+        assert got == want
+        failures = _metric(srv, "pagedserve_handoff_failures_total")
+        assert failures[(("cause", "blocks_refused"),)] == 8, failures
+        assert _metric(srv, "pagedserve_handoffs_total")[(("outcome", "partial"),)] == 8
+        _all_blocks_free(srv)
     finally:
         srv.stop()
