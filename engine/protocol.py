@@ -76,10 +76,13 @@ class ReplicaScaler(ABC):
         """A change is in progress."""
 
     @abstractmethod
-    async def scale_to(self, num_replicas: int, drain_timeout: float | None = None) -> ScaleResult:
+    async def scale_to(self, num_replicas: int, drain_timeout: float | None = None,
+                       pool: str | None = None) -> ScaleResult:
         """Add replicas (placed and warmed up before any request is routed to them) or remove the least busy
         (routed nothing new, their requests given ``drain_timeout`` seconds to finish, the rest moved to the
-        others token-exact). Raises InvalidRequestError for a bad count or while another change runs."""
+        others token-exact). ``pool``: with disaggregated prefill and decode, "prefill" or "decode" (the default:
+        the replicas that decode); the prefill pool may go to 0 (every request then runs whole on the decode pool).
+        Raises InvalidRequestError for a bad count or pool, or while another change runs."""
 
     @abstractmethod
     async def rollout(self, model: str, drain_timeout: float | None = None) -> ScaleResult:

@@ -13,7 +13,7 @@ import logging
 
 import ray
 
-from pagedserve.cluster.runtime.replicas import Replica, launch_replica, shutdown_replicas
+from pagedserve.cluster.runtime.replicas import Replica, ReplicaRole, launch_replica, shutdown_replicas
 from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.common.errors import EngineUnavailableError, InvalidRequestError
 from pagedserve.engine.arg_utils import EngineArgs
@@ -48,23 +48,38 @@ class ReplicaSet(ReplicaScaler):
     def is_scaling(self) -> bool:
         return self._lock.locked()
 
-    async def scale_to(self, num_replicas: int, drain_timeout: float | None = None) -> ScaleResult:
-        if not 1 <= num_replicas <= MAX_REPLICAS:
-            raise InvalidRequestError(f"the number of replicas must be between 1 and {MAX_REPLICAS}, got "
-                                      f"{num_replicas}")
+    async def scale_to(self, num_replicas: int, drain_timeout: float | None = None,
+                       pool: str | None = None) -> ScaleResult:
+        role = self._role(pool)
+        least = 0 if role == ReplicaRole.PREFILL else 1
+        if not least <= num_replicas <= MAX_REPLICAS:
+            raise InvalidRequestError(f"the number of {role.value} replicas must be between {least} and "
+                                      f"{MAX_REPLICAS}, got {num_replicas}")
         if self._lock.locked():
             raise InvalidRequestError("a scaling operation is already in progress; retry when it ends")
         async with self._lock:
-            current = len(self.replicas)
+            members = [r for r in self.replicas if r.role == role]
+            current = len(members)
+            share = len(self.replicas) - current + num_replicas
             if num_replicas > current:
                 for _ in range(num_replicas - current):
-                    await self._add(num_replicas, held_wait_s=None)
+                    await self._add(share, held_wait_s=None, role=role)
                 return ScaleResult(len(self.replicas), num_replicas - current, 0, 0)
             if num_replicas < current:
-                victims = await self._least_busy(current - num_replicas)
+                victims = await self._least_busy(members, current - num_replicas)
                 moved = await asyncio.gather(*[self._remove(r, drain_timeout, "scaled in") for r in victims])
                 return ScaleResult(len(self.replicas), 0, len(victims), sum(moved))
-            return ScaleResult(current, 0, 0, 0)
+            return ScaleResult(len(self.replicas), 0, 0, 0)
+
+    def _role(self, pool: str | None) -> ReplicaRole:
+        """The role of the replicas ``pool`` names; None: the replicas that decode."""
+        disaggregated = any(r.role != ReplicaRole.BOTH for r in self.replicas)
+        if pool is None:
+            return ReplicaRole.DECODE if disaggregated else ReplicaRole.BOTH
+        if not disaggregated or pool not in (ReplicaRole.PREFILL.value, ReplicaRole.DECODE.value):
+            raise InvalidRequestError(f"pool {pool!r}: only a server started with --prefill-replicas has pools, "
+                                      "named prefill and decode")
+        return ReplicaRole(pool)
 
     async def rollout(self, model: str, drain_timeout: float | None = None) -> ScaleResult:
         new_args = dataclasses.replace(self.args, model=model)
@@ -81,40 +96,41 @@ class ReplicaSet(ReplicaScaler):
                 logger.info("rollout: replacing replica %d (%d of %d) with one serving %s", r.index, i + 1,
                             len(old), model)
                 try:  # surge: the new one first, where the cluster has room for it now
-                    await self._add(len(self.replicas) + 1, new_args, held_wait_s=0)
+                    await self._add(len(self.replicas) + 1, new_args, held_wait_s=0, role=r.role)
                     moved += await self._remove(r, drain_timeout, "replaced by a rollout")
                 except RuntimeError as e:  # no room for one more: drain this one, then put the new one in its place
                     logger.info("rollout: no room to surge (%s); replacing in place", e)
                     moved += await self._remove(r, drain_timeout, "replaced by a rollout")
                     try:
-                        await self._add(len(self.replicas) + 1, new_args)
+                        await self._add(len(self.replicas) + 1, new_args, role=r.role)
                     except (EngineUnavailableError, RuntimeError, ValueError):  # ValueError: its preflight
-                        await self._add(len(self.replicas) + 1, self.args)  # put the old model back in its place
+                        await self._add(len(self.replicas) + 1, self.args, role=r.role)  # the old model back
                         raise
             self.args = new_args
             logger.info("rollout: every replica serves %s", model)
             return ScaleResult(len(self.replicas), len(old), len(old), moved, model)
 
     async def _add(self, share: int, args: EngineArgs | None = None,
-                   held_wait_s: float | None = HELD_CHECK_S) -> None:
+                   held_wait_s: float | None = HELD_CHECK_S, role: ReplicaRole = ReplicaRole.BOTH) -> None:
         index = self._next_index
         self._next_index += 1
-        logger.info("placing replica %d", index)
+        logger.info("placing replica %d (%s)", index, role.value)
         replica = await asyncio.to_thread(launch_replica, args or self.args, index, share,
-                                          self.max_waiting_requests, self.step_timeout, self.name, held_wait_s)
+                                          self.max_waiting_requests, self.step_timeout, self.name, held_wait_s, role)
         self.replicas.append(replica)
         await self.router.add_replica(replica)
 
-    async def _least_busy(self, n: int) -> list[Replica]:
+    @staticmethod
+    async def _least_busy(replicas: list[Replica], n: int) -> list[Replica]:
         async def owned(r: Replica) -> int:
             try:
                 return await r.actor.num_owned_requests.remote()
             except ray.exceptions.RayError:  # dead or restarting: the cheapest to let go
                 return -1
 
-        counts = await asyncio.gather(*[owned(r) for r in self.replicas])
-        order = sorted(range(len(self.replicas)), key=lambda i: (counts[i], -self.replicas[i].index))
-        return [self.replicas[i] for i in order[:n]]
+        counts = await asyncio.gather(*[owned(r) for r in replicas])
+        order = sorted(range(len(replicas)), key=lambda i: (counts[i], -replicas[i].index))
+        return [replicas[i] for i in order[:n]]
 
     async def _remove(self, r: Replica, drain_timeout: float | None, reason: str) -> int:
         """Drain, move what is left, release; returns the requests moved."""

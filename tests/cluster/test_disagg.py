@@ -182,3 +182,37 @@ def test_blocks_corrupted_on_the_wire_are_refused_and_recomputed(ray_cluster, ll
         _all_blocks_free(srv)
     finally:
         srv.stop()
+
+
+def _scale(srv: ServerThread, n: int, pool: str | None) -> httpx2.Response:
+    return httpx2.post(f"{srv.http_url}/scale_elastic_ep", timeout=300,
+                       json={"new_data_parallel_size": n, **({"pool": pool} if pool else {})})
+
+
+def test_each_pool_scales_on_its_own(ray_cluster, llama_dir):
+    """The prefill pool scales to 0 (every request then runs whole on the decode pool) and back, the decode pool
+    out and in, outputs exact throughout; a pool on an aggregated server is a 400."""
+    prompts = random_prompts(3, seed=47, min_len=60, max_len=100)
+    body = dict(temperature=0, max_tokens=6)
+    want = _reference(llama_dir, prompts, SamplingParams(temperature=0, max_tokens=6))
+    srv = _serve(llama_dir)
+    try:
+        def remote() -> float:
+            return _metric(srv, "pagedserve_disagg_decisions_total")[(("decision", "remote"),)]
+
+        assert _scale(srv, 0, "prefill").status_code == 200
+        before = remote()
+        assert [_complete(srv, p, **body) for p in prompts] == want
+        assert remote() == before  # no prefill pool: prefilled on the decode replica
+        r = _scale(srv, 1, "prefill")
+        assert r.status_code == 200 and r.json()["added"] == 1
+        assert _scale(srv, 2, None).json()["num_replicas"] == 3  # the decode pool by default
+        assert sorted(x.role.value for x in srv.replicas) == ["decode", "decode", "prefill"]
+        fresh = random_prompts(3, seed=48, min_len=60, max_len=100)
+        assert [_complete(srv, p, **body) for p in fresh] == _reference(llama_dir, fresh, SamplingParams(
+            temperature=0, max_tokens=6))
+        assert remote() == before + len(fresh)
+        assert _scale(srv, 0, "decode").status_code == 400  # the decode pool keeps one replica
+        assert _scale(srv, 1, "decode").json()["removed"] == 1
+    finally:
+        srv.stop()

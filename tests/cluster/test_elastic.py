@@ -184,8 +184,9 @@ async def _scale_under_load(srv: ServerThread) -> tuple[list[tuple[int, list[int
         assert (await client.model_info()).data_parallel_size == 2
         steps.append({"num_replicas": 2})
         bad = [await http.post("/scale_elastic_ep", json=body) for body in
-               ({"new_data_parallel_size": 0}, {"new_data_parallel_size": "two"}, {})]
-        assert [r.status_code for r in bad] == [400, 400, 400], [r.text for r in bad]
+               ({"new_data_parallel_size": 0}, {"new_data_parallel_size": "two"}, {},
+                {"new_data_parallel_size": 2, "pool": "prefill"})]  # pools: only a disaggregated server's
+        assert [r.status_code for r in bad] == [400, 400, 400, 400], [r.text for r in bad]
         await until(len(results) + CONCURRENCY)  # a full round more on the new replica set
         stop.set()
         await loader

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
@@ -19,7 +19,9 @@ from pagedserve.engine.protocol import ReplicaScaler
 
 
 class ScaleRequest(RequestModel):
-    new_data_parallel_size: int = Field(description="the number of replicas to serve with")
+    new_data_parallel_size: int = Field(description="the number of replicas to serve with (in the pool named)")
+    pool: Literal["prefill", "decode"] | None = Field(None, description="with disaggregated prefill and decode: the "
+                                                                        "pool to scale (default: decode)")
     drain_timeout: float | None = Field(None, ge=0, description="seconds a removed replica's requests get to finish "
                                                                 "before they move to another (default: the server's "
                                                                 "--drain-timeout)")
@@ -69,7 +71,7 @@ def add_admin_routes(app: FastAPI, state: ServingState, deps: list[Any], auth: t
     @app.post("/scale_elastic_ep", dependencies=deps, response_model=ScaleResponse,
               responses=error_statuses(400, *auth, 503))
     async def scale_elastic_ep(body: ScaleRequest) -> ScaleResponse:
-        result = await _change(_scaler(state).scale_to(body.new_data_parallel_size, body.drain_timeout),
+        result = await _change(_scaler(state).scale_to(body.new_data_parallel_size, body.drain_timeout, body.pool),
                                "new_data_parallel_size", "scaling stopped")
         return ScaleResponse(message=f"scaled to {result.num_replicas} replicas", **dataclasses.asdict(result))
 
