@@ -23,9 +23,10 @@ MAX_LOCAL = 24  # a prompt with more uncached tokens than this is prefilled on t
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
-def _serve(model_dir: str) -> ServerThread:
-    return ServerThread(EngineArgs(model=model_dir, seed=0, max_model_len=256, block_size=8), prefill_replicas=1,
-                        decode_replicas=1, max_local_prefill_length=MAX_LOCAL, http_port=free_port()).start()
+def _serve(model_dir: str, **engine) -> ServerThread:
+    return ServerThread(EngineArgs(model=model_dir, seed=0, max_model_len=256, block_size=8, **engine),
+                        prefill_replicas=1, decode_replicas=1, max_local_prefill_length=MAX_LOCAL,
+                        http_port=free_port()).start()
 
 
 def _complete(srv: ServerThread, prompt: list[int], **body) -> list[list[int]]:
@@ -214,5 +215,24 @@ def test_each_pool_scales_on_its_own(ray_cluster, llama_dir):
         assert remote() == before + len(fresh)
         assert _scale(srv, 0, "decode").status_code == 400  # the decode pool keeps one replica
         assert _scale(srv, 1, "decode").json()["removed"] == 1
+    finally:
+        srv.stop()
+
+
+def test_tensor_parallel_replicas_hand_off_rank_to_rank(ray_cluster, llama_dir):
+    """TP=2 on both pools: each rank's share of every block moves to the same rank on the decode replica."""
+    prompts = random_prompts(3, seed=49, min_len=60, max_len=120)
+    want = _reference(llama_dir, prompts, SamplingParams(temperature=0, max_tokens=8))
+    srv = _serve(llama_dir, tensor_parallel_size=2)
+    try:
+        assert [_complete(srv, p, temperature=0, max_tokens=8) for p in prompts] == want
+        handoffs = _metric(srv, "pagedserve_handoffs_total")
+        assert handoffs[(("outcome", "pulled"),)] == len(prompts), handoffs
+        # Both ranks' shares moved: the bytes are every layer's K and V of every pulled block, whole.
+        itemsize = {"float32": 4, "bfloat16": 2}[srv.gateway.state.engine.info.dtype]
+        per_block = 2 * 2 * 8 * 2 * 16 * itemsize  # K and V, 2 layers, block 8, 2 KV heads (one per rank) x 16
+        blocks = _metric(srv, "pagedserve_kv_transfer_blocks_total")[()]
+        assert _metric(srv, "pagedserve_kv_transfer_bytes_total")[()] == blocks * per_block
+        _all_blocks_free(srv)
     finally:
         srv.stop()
