@@ -121,16 +121,22 @@ class Disaggregation:
         as the first token alone while the handoff starts."""
         if not any(reason == REMOTE_DECODE for reason, _ in item.finish_reasons.values()):
             return item
-        first = item.new_token_ids.get(0, [])
-        task = asyncio.get_running_loop().create_task(self.hand_off(rec, replica, first))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if rec.resuming:  # its replica was lost meanwhile: the resume under way goes on from this token too
+            if replica.alive:
+                replica.actor.release_kv.remote(rec.request.request_id)
+        else:
+            # From here until the decode replica has it, a replica lost is the handoff's to deal with, not a resume's.
+            rec.resuming = True
+            task = asyncio.get_running_loop().create_task(self.hand_off(rec, replica, item.new_token_ids.get(0, [])))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return dataclasses.replace(item, finish_reasons={}, finished=False)
 
     async def hand_off(self, rec: InFlight, prefill: Replica, first: list[int]) -> None:
+        """Pull the prompt's KV from ``prefill`` into the decode replica, then resume the request there (``rec``
+        is marked resuming by ``intercept``)."""
         request = rec.request
         rid = request.request_id
-        rec.resuming = True  # a replica lost meanwhile is this handoff's to deal with, not a resume's
         target = rec.decode_target if rec.decode_target is not None and rec.decode_target.serving else None
         outcome, cause = "recomputed", "error"  # until the pull says otherwise
         try:
@@ -153,6 +159,8 @@ class Disaggregation:
                 logger.warning("KV handoff of request %s failed: %s", rid, unwrap(e))
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, EngineUnavailableError):
             cause = "decode_lost"  # the pull's own actor, or no decode replica serving
+        except Exception:  # whatever went wrong, the request goes on: its decode replica computes the blocks
+            logger.exception("KV handoff of request %s failed", rid)
         finally:
             rec.resuming = False
             if prefill.alive:
