@@ -6,29 +6,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.scheduler.block_manager import BlockManager
-from pagedserve.scheduler.kv_events import BlockHash
-
-DEFAULT_KV_LEASE_S = 60.0
 
 
 @dataclass
 class KVLease:
     blocks: list[int]
-    block_hashes: list[BlockHash]
     deadline: float
 
 
 class KVLeases:
-    def __init__(self, block_manager: BlockManager, lease_s: float = DEFAULT_KV_LEASE_S) -> None:
+    """``lease_s``: how long a request's blocks are held at most (``SchedulerConfig.kv_lease_s``)."""
+
+    def __init__(self, block_manager: BlockManager, lease_s: float) -> None:
         self.block_manager = block_manager
         self.lease_s = lease_s
         self.leases: dict[str, KVLease] = {}
         self.num_expired = 0
 
-    def hold(self, request_id: str, blocks: list[int], block_hashes: list[BlockHash], now: float) -> None:
+    def hold(self, request_id: str, blocks: list[int], now: float) -> None:
         self.release(request_id)
         self.block_manager.pool.incref(blocks)
-        self.leases[request_id] = KVLease(list(blocks), list(block_hashes), now + self.lease_s)
+        self.leases[request_id] = KVLease(list(blocks), now + self.lease_s)
 
     def release(self, request_id: str) -> bool:
         lease = self.leases.pop(request_id, None)

@@ -154,7 +154,7 @@ class Scheduler:
         """End one sequence; the request ends with its last live sequence."""
         if status == RequestStatus.FINISHED_REMOTE_DECODE:  # its full prompt blocks, cached by now
             held = list(itertools.takewhile(lambda b: b != NULL_BLOCK, seq.block_table[:len(seq.block_hashes)]))
-            self.kv_leases.hold(req.request_id, held, seq.block_hashes[:len(held)], time.monotonic())
+            self.kv_leases.hold(req.request_id, held, time.monotonic())
         self._release(seq, status)
         if not req.live_seqs and not req.finished:
             self._finish_request(req, status)
