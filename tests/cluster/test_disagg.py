@@ -56,6 +56,10 @@ def _all_blocks_free(srv: ServerThread) -> None:
     assert stats and all(s.kv_blocks_free == s.kv_blocks_total for s in stats), stats
 
 
+def _placement_groups() -> set[str]:
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
+
+
 def _reference(model_dir: str, prompts: list[list[int]], params: SamplingParams) -> list[list[list[int]]]:
     llm = LLM(model_dir, seed=0, max_model_len=256, block_size=8)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -115,7 +119,9 @@ def test_killing_a_replica_leaves_every_stream_token_exact(ray_cluster, llama_di
     prompts = random_prompts(12, seed=44, min_len=60, max_len=150)
     body = dict(temperature=0.7, seed=11, max_tokens=16, ignore_eos=True)
     want = _reference(llama_dir, prompts, SamplingParams(temperature=0.7, seed=11, max_tokens=16, ignore_eos=True))
+    before = _placement_groups()
     srv = _serve(llama_dir)
+    actors = [r.actor for r in srv.replicas]
     try:
         victim = next(r for r in srv.replicas if r.role == role)
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -133,6 +139,10 @@ def test_killing_a_replica_leaves_every_stream_token_exact(ray_cluster, llama_di
         _all_blocks_free(srv)
     finally:
         srv.stop()
+    assert _placement_groups() == before  # both pools' groups released, the restarted one's too
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.pid.remote(), timeout=30)
 
 
 def _stream_until(srv: ServerThread, prompt: list[int], tokens_before_abort: int) -> int:
