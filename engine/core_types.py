@@ -83,6 +83,7 @@ class EngineStats:
     num_worker_restarts: int
     num_constrained_requests: int  # structured output
     scheduler: SchedulerStats  # a copy of the scheduler's counters
+    num_waiting_tokens: int = 0  # prompt tokens of the waiting requests (a prefill pool's queue)
 
 
 @dataclass

@@ -189,7 +189,8 @@ class EngineCore:
             kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks, kv_blocks_shared=bm.num_shared_blocks(),
             kv_usage=bm.usage(), copy_on_write=bm.num_copy_on_write, num_requests=self.num_requests,
             num_worker_restarts=self.num_worker_restarts,
-            num_constrained_requests=sched.structured.num_constrained_requests, scheduler=copy.deepcopy(sched.stats))
+            num_constrained_requests=sched.structured.num_constrained_requests, scheduler=copy.deepcopy(sched.stats),
+            num_waiting_tokens=sum(len(r.prompt_token_ids) for r in sched.waiting))
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.block_manager.reset_prefix_cache()

@@ -16,6 +16,7 @@ import uvloop
 from pagedserve.cluster.entrypoints.serve_options import ServeOptions
 from pagedserve.cluster.entrypoints.supervisor import supervise
 from pagedserve.cluster.runtime.autoscaler import AutoscalePolicy, Autoscaler
+from pagedserve.cluster.runtime.autoscaler import collect_metrics as autoscaler_metrics
 from pagedserve.cluster.runtime.private_ray import PrivateRay
 from pagedserve.cluster.runtime.ray_auth import check_ray_auth
 from pagedserve.cluster.runtime.replica_set import ReplicaSet
@@ -62,7 +63,7 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
     if not ray.is_initialized() and not (args.ray_address or os.environ.get("RAY_ADDRESS")):
         private_ray = PrivateRay()
     policy = AutoscalePolicy.parse(opts.autoscale) if opts.autoscale else AutoscalePolicy()
-    replicas, engine, replica_set, autoscaler = [], None, None, None
+    replicas, engine, replica_set, autoscalers = [], None, None, []
 
     def start_replicas() -> list[Replica]:
         if private_ray is not None:
@@ -86,9 +87,11 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
         engine.start()
         replica_set = ReplicaSet(args, replicas, engine, opts.drain_timeout, opts.max_waiting_requests,
                                  opts.step_timeout or None, name if opts.name_replicas else None)
-        autoscaler = Autoscaler(policy, engine, replica_set, act=opts.autoscale is not None)
-        engine.metric_sources.append(autoscaler.collect_metrics)
-        autoscaler.start()
+        pools = ["prefill", "decode"] if opts.prefill_replicas else [None]  # each pool on its own signals
+        autoscalers = [Autoscaler(policy, engine, replica_set, opts.autoscale is not None, pool) for pool in pools]
+        engine.metric_sources.append(lambda: autoscaler_metrics(autoscalers))
+        for autoscaler in autoscalers:
+            autoscaler.start()
         freeze_gc_heap()
         await gateway.set_ready(engine, ModelInfo(name, engine.info, len(replicas)), replica_set)
         logger.info("ready: serving %s on %s:%d (%d replica(s), tensor_parallel_size=%d, %d KV blocks each)",
@@ -99,7 +102,7 @@ async def serve(args: EngineArgs, opts: ServeOptions, stop: asyncio.Event | None
         await stop.wait()
         logger.info("draining (up to %.0f s)", opts.drain_timeout)
     finally:
-        if autoscaler is not None:
+        for autoscaler in autoscalers:
             await autoscaler.stop()
         await gateway.drain(opts.drain_timeout if engine else 0.0)
         if engine is not None:

@@ -160,8 +160,9 @@ class ServeOptions:
                                        "(its requests resume); 0: never", serve_only=True)
     autoscale: str | None = _flag(
         None, "change the number of replicas with the load: min=1,max=4[,waiting=4][,kv_usage=0.8][,ttft_p90=2]"
-              "[,interval=5][,scale_out_cooldown=30][,scale_in_cooldown=300] (targets per replica; off: the same "
-              "decision is only exported, as pagedserve_desired_replicas)", serve_only=True, metavar="POLICY")
+              "[,prefill_tokens=8192][,interval=5][,scale_out_cooldown=30][,scale_in_cooldown=300] (targets per "
+              "replica, prefill_tokens for a prefill pool; off: the same decision is only exported, as "
+              "pagedserve_desired_replicas)", serve_only=True, metavar="POLICY")
     # 1: the gateway runs in serve's own process.
     api_server_count: int = _flag(1, "gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), all routing "
                                      "to the same replicas; gateway i serves /metrics on --metrics-port + i",

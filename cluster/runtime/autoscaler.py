@@ -1,5 +1,7 @@
 """How many replicas the load asks for, from LLM signals (waiting requests per replica, KV-cache usage, TTFT p90),
-and, with ``--autoscale``, acting on it through the ``ReplicaSet``.
+and, with ``--autoscale``, acting on it through the ``ReplicaSet``. With disaggregated prefill and decode each pool
+has its own autoscaler on its own signals: the prefill pool on the prompt tokens queued per replica and TTFT p90,
+the decode pool on waiting requests and KV-cache usage.
 
 Like Kubernetes' HPA: each signal's ratio to its target scales the current count, the largest ratio wins, a ratio
 within ``TOLERANCE`` of 1 changes nothing, a scale-out waits ``scale_out_cooldown`` after the last change, and a
@@ -19,6 +21,7 @@ from dataclasses import dataclass, fields
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pagedserve.cluster.runtime.replica_set import ReplicaSet
+from pagedserve.cluster.runtime.replicas import Replica
 from pagedserve.cluster.runtime.router import ReplicaRouter
 from pagedserve.engine.core_types import EngineStats
 
@@ -34,6 +37,7 @@ class AutoscalePolicy:
     waiting: float = 4.0  # target waiting requests per replica
     kv_usage: float = 0.8  # target KV-cache usage (0..1), mean over replicas
     ttft_p90: float = 2.0  # target seconds to first token, p90 over the last interval
+    prefill_tokens: float = 8192.0  # a prefill pool's target queued prompt tokens per replica
     interval: float = 5.0  # seconds between decisions
     scale_out_cooldown: float = 30.0
     scale_in_cooldown: float = 300.0
@@ -56,7 +60,7 @@ class AutoscalePolicy:
         policy = cls(**values)
         if not 1 <= policy.min <= policy.max:
             raise ValueError(f"--autoscale: need 1 <= min <= max, got min={policy.min}, max={policy.max}")
-        if min(policy.waiting, policy.kv_usage, policy.ttft_p90, policy.interval) <= 0:
+        if min(policy.waiting, policy.kv_usage, policy.ttft_p90, policy.prefill_tokens, policy.interval) <= 0:
             raise ValueError("--autoscale: targets and interval must be positive")
         return policy
 
@@ -68,15 +72,20 @@ class Signals:
     running: int
     kv_usage: float  # mean over replicas
     ttft_p90: float | None  # None: no request started in the interval
+    waiting_tokens_per_replica: float = 0.0
 
 
-def desired_replicas(policy: AutoscalePolicy, s: Signals) -> int:
-    """The count the signals ask for now, within [min, max] (before cooldowns and stabilization)."""
+def desired_replicas(policy: AutoscalePolicy, s: Signals, pool: str | None = None) -> int:
+    """The count the signals ask for now, within [min, max] (before cooldowns and stabilization); ``pool``: "prefill"
+    or "decode" with disaggregated prefill and decode (None: replicas that run whole requests)."""
     current = max(s.replicas, 1)
     if s.running == 0 and s.waiting_per_replica == 0:
         return policy.min  # idle
-    ratios = [s.waiting_per_replica / policy.waiting, s.kv_usage / policy.kv_usage]
-    if s.ttft_p90 is not None:
+    if pool == "prefill":
+        ratios = [s.waiting_tokens_per_replica / policy.prefill_tokens]
+    else:
+        ratios = [s.waiting_per_replica / policy.waiting, s.kv_usage / policy.kv_usage]
+    if s.ttft_p90 is not None and pool != "decode":  # a decode pool's requests got their first token elsewhere
         ratios.append(s.ttft_p90 / policy.ttft_p90)
     ratio = max(ratios)
     want = current if abs(ratio - 1) <= TOLERANCE else math.ceil(current * ratio)
@@ -87,19 +96,24 @@ def signals(stats: list[EngineStats], serving: int, ttfts: list[float]) -> Signa
     n = max(len(stats), 1)
     ttft_p90 = sorted(ttfts)[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None
     return Signals(serving, sum(s.num_waiting for s in stats) / max(serving, 1), sum(s.num_running for s in stats),
-                   sum(s.kv_usage for s in stats) / n, ttft_p90)
+                   sum(s.kv_usage for s in stats) / n, ttft_p90,
+                   sum(s.num_waiting_tokens for s in stats) / max(serving, 1))
 
 
 class Autoscaler:
-    """``act``: change the replica count (``--autoscale``); else only recommend (the metrics)."""
+    """``act``: change the replica count (``--autoscale``); else only recommend (the metrics). ``pool``: the pool it
+    scales ("prefill" or "decode"), None without disaggregation."""
 
-    def __init__(self, policy: AutoscalePolicy, router: ReplicaRouter, replica_set: ReplicaSet, act: bool) -> None:
+    def __init__(self, policy: AutoscalePolicy, router: ReplicaRouter, replica_set: ReplicaSet, act: bool,
+                 pool: str | None = None) -> None:
         self.policy = policy
         self.router = router
         self.replica_set = replica_set
         self.act = act
-        self.last = Signals(router.num_replicas, 0.0, 0, 0.0, None)
-        self.desired = router.num_replicas
+        self.pool = pool
+        serving = sum(r.serving for r in self._members())
+        self.last = Signals(serving, 0.0, 0, 0.0, None)
+        self.desired = serving
         self._history: deque[tuple[float, int]] = deque()  # (time, desired) over the scale-in window
         self._last_change = time.monotonic()
         self._task: asyncio.Task | None = None
@@ -120,11 +134,17 @@ class Autoscaler:
             except Exception:  # a replica dying mid-read, a scale that failed: the next interval tries again
                 logger.exception("autoscaler: this interval's decision failed")
 
+    def _members(self) -> list[Replica]:
+        picker = self.router.disagg.prefill_picker if self.pool == "prefill" else self.router.picker
+        return picker.pool()
+
     async def tick(self) -> None:
-        stats = await self.router.get_stats()
-        self.last = signals(stats, self.router.num_replicas, self.router.take_ttfts())
+        members = [r for r in self._members() if r.alive]
+        stats = await asyncio.gather(*[r.actor.get_stats.remote() for r in members], return_exceptions=True)
+        ttfts = self.router.take_ttfts() if self.pool != "decode" else []
+        self.last = signals([s for s in stats if isinstance(s, EngineStats)], sum(r.serving for r in members), ttfts)
         now = time.monotonic()
-        want = desired_replicas(self.policy, self.last)
+        want = desired_replicas(self.policy, self.last, self.pool)
         self._history.append((now, want))
         while self._history and self._history[0][0] < now - self.policy.scale_in_cooldown:
             self._history.popleft()
@@ -138,18 +158,28 @@ class Autoscaler:
         since = now - self._last_change
         if (self.desired > current and since >= self.policy.scale_out_cooldown) or \
                 (self.desired < current and since >= self.policy.scale_in_cooldown):
-            logger.info("autoscaler: %d -> %d replicas (%s)", current, self.desired, self.last)
-            await self.replica_set.scale_to(self.desired)
+            logger.info("autoscaler: %d -> %d %sreplicas (%s)", current, self.desired,
+                        f"{self.pool} " if self.pool else "", self.last)
+            await self.replica_set.scale_to(self.desired, pool=self.pool)
             self._last_change = time.monotonic()
 
-    def collect_metrics(self) -> list[Metric]:
-        desired = GaugeMetricFamily("pagedserve_desired_replicas", "Replicas the autoscaling policy asks for (acted "
-                                    "on with --autoscale; else a recommendation for KEDA or an HPA).")
-        desired.add_metric([], self.desired)
-        sig = GaugeMetricFamily("pagedserve_autoscaler_signal", "The autoscaling policy's inputs, by signal.",
-                                labels=["signal"])
-        sig.add_metric(["waiting_per_replica"], self.last.waiting_per_replica)
-        sig.add_metric(["kv_usage"], self.last.kv_usage)
-        if self.last.ttft_p90 is not None:
-            sig.add_metric(["ttft_p90_seconds"], self.last.ttft_p90)
-        return [desired, sig]
+
+
+def collect_metrics(autoscalers: list[Autoscaler]) -> list[Metric]:
+    """Every autoscaler's decision and inputs, labelled by pool when they scale pools."""
+    pooled = any(a.pool is not None for a in autoscalers)
+    labels = ["pool"] if pooled else []
+    desired = GaugeMetricFamily("pagedserve_desired_replicas", "Replicas the autoscaling policy asks for (acted on "
+                                "with --autoscale; else a recommendation for KEDA or an HPA).", labels=labels)
+    sig = GaugeMetricFamily("pagedserve_autoscaler_signal", "The autoscaling policy's inputs, by signal.",
+                            labels=["signal", *labels])
+    for a in autoscalers:
+        pool = [a.pool] if pooled else []
+        desired.add_metric(pool, a.desired)
+        sig.add_metric(["waiting_per_replica", *pool], a.last.waiting_per_replica)
+        sig.add_metric(["kv_usage", *pool], a.last.kv_usage)
+        if pooled:
+            sig.add_metric(["waiting_tokens_per_replica", *pool], a.last.waiting_tokens_per_replica)
+        if a.last.ttft_p90 is not None:
+            sig.add_metric(["ttft_p90_seconds", *pool], a.last.ttft_p90)
+    return [desired, sig]

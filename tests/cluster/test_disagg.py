@@ -246,3 +246,34 @@ def test_tensor_parallel_replicas_hand_off_rank_to_rank(ray_cluster, llama_dir):
         _all_blocks_free(srv)
     finally:
         srv.stop()
+
+
+def test_the_prefill_pool_autoscales_on_its_queued_prompt_tokens(ray_cluster, llama_dir):
+    """A burst of long prompts queues prompt tokens on the one prefill replica (it runs two at a time): the prefill
+    pool's autoscaler adds a second, the decode pool's (waiting requests, KV usage) keeps its one; once idle, the
+    prefill pool goes back to one. Every output is exact."""
+    policy = ("min=1,max=2,prefill_tokens=100,waiting=1000,kv_usage=0.99,ttft_p90=1000,interval=0.5,"
+              "scale_out_cooldown=0,scale_in_cooldown=4")
+    srv = ServerThread(EngineArgs(model=llama_dir, seed=0, max_model_len=256, block_size=8, max_num_seqs=2),
+                       prefill_replicas=1, decode_replicas=1, max_local_prefill_length=MAX_LOCAL,
+                       http_port=free_port(), autoscale=policy).start()
+
+    def pools() -> list[str]:
+        return sorted(r.role.value for r in srv.replicas if r.serving)
+
+    try:
+        prompts = random_prompts(16, seed=50, min_len=100, max_len=200)
+        want = _reference(llama_dir, prompts, SamplingParams(temperature=0, max_tokens=4))
+        deadline = time.monotonic() + 120
+        while pools().count("prefill") < 2:
+            assert time.monotonic() < deadline, "the prefill pool did not scale out"
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                got = list(pool.map(lambda p: _complete(srv, p, temperature=0, max_tokens=4), prompts))
+            assert got == want
+        assert pools().count("decode") == 1
+        deadline = time.monotonic() + 60
+        while pools() != ["decode", "prefill"]:
+            assert time.monotonic() < deadline, "the prefill pool did not scale back in"
+            time.sleep(0.5)
+    finally:
+        srv.stop()

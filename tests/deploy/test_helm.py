@@ -363,6 +363,10 @@ def test_disaggregated_replicas_pass_their_flags_and_take_their_gpus():
     assert (f["prefill-replicas"], f["decode-replicas"], f["max-local-prefill-length"]) == ("1", "2", "256")
     assert "data-parallel-size" not in f
     assert c["resources"]["limits"][GPU] == 4 * 3
+    # with the autoscaler, each pool may grow to its max
+    docs = objects_for(merged("gpu-tp4", **{"engine.prefillReplicas": 1, "engine.decodeReplicas": 1,
+                                            "server.autoscale": "max=3"}))
+    assert gateway(docs)[1]["resources"]["limits"][GPU] == 4 * 2 * 3
     docs = objects_for(merged("kuberay-dp2", **{"engine.dataParallelSize": 1, "engine.prefillReplicas": 1,
                                                 "engine.decodeReplicas": 1, "engine.maxLocalPrefillLength": 64,
                                                 "kuberay.gateways.enabled": True}))
@@ -715,8 +719,6 @@ BAD_VALUES = {
     "decode replicas without prefill replicas": {"engine": {"decodeReplicas": 2}},
     "prefill replicas beside data parallelism": {"engine": {"prefillReplicas": 1, "decodeReplicas": 1,
                                                             "dataParallelSize": 2}},
-    "prefill replicas with the autoscaler": {"engine": {"prefillReplicas": 1, "decodeReplicas": 1},
-                                             "server": {"autoscale": "max=3"}},
     "prefill replicas beyond the worker pods": {"mode": "kuberay", "gpu": {"enabled": True},
                                                 "engine": {"prefillReplicas": 1, "decodeReplicas": 2},
                                                 "kuberay": {"workerGroups": [{"name": "g", "replicas": 2}]}},

@@ -39,3 +39,18 @@ def test_signals_from_replica_stats():
     assert (s.waiting_per_replica, s.running, s.kv_usage) == (4.0, 8, pytest.approx(0.4))
     assert s.ttft_p90 == pytest.approx(1.0)
     assert signals([], 1, []).ttft_p90 is None
+
+
+def test_each_pool_follows_its_own_signals():
+    """Disaggregated: the prefill pool on queued prompt tokens and TTFT, the decode pool on waiting requests and KV
+    usage, never on TTFT (its requests got their first token on the prefill pool)."""
+    p = AutoscalePolicy(min=1, max=8, waiting=4, kv_usage=0.8, ttft_p90=2.0, prefill_tokens=1000)
+    queued = Signals(2, 1.0, 4, 0.1, None, waiting_tokens_per_replica=3000)
+    assert desired_replicas(p, queued, "prefill") == 6  # 3x the token target
+    assert desired_replicas(p, queued, "decode") == 1  # few waiting, little KV: fewer decode replicas
+    slow_first_token = Signals(2, 4.0, 4, 0.8, 6.0, waiting_tokens_per_replica=100)
+    assert desired_replicas(p, slow_first_token, "prefill") == 6  # TTFT p90 3x its target
+    assert desired_replicas(p, slow_first_token, "decode") == 2  # at its targets
+    assert desired_replicas(p, Signals(2, 2.0, 4, 1.6, 0.1), "decode") == 4  # KV usage twice its target
+    with pytest.raises(ValueError, match="positive"):
+        AutoscalePolicy.parse("prefill_tokens=0")

@@ -69,9 +69,6 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if ne (int $e.dataParallelSize) 1 -}}
 {{- fail "engine.prefillReplicas and engine.decodeReplicas replace engine.dataParallelSize: leave it at 1" -}}
 {{- end -}}
-{{- if .Values.server.autoscale -}}
-{{- fail "server.autoscale scales replicas that run whole requests, not the prefill and decode pools: unset it" -}}
-{{- end -}}
 {{- add (int $e.prefillReplicas) (int $e.decodeReplicas) -}}
 {{- else if gt (int $e.decodeReplicas) 0 -}}
 {{- fail "engine.decodeReplicas needs engine.prefillReplicas >= 1 (without, use engine.dataParallelSize)" -}}
@@ -80,12 +77,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* The most model replicas the server runs: the in-server autoscaler's max where server.autoscale is set (at least
-   the data-parallel replicas it starts with), else the replicas it starts with. */}}
+{{/* The most model replicas the server runs: the in-server autoscaler's max where server.autoscale is set (per pool
+   when disaggregated; at least the replicas it starts with), else the replicas it starts with. */}}
 {{- define "pagedserve.maxReplicas" -}}
 {{- $dp := int (include "pagedserve.replicas" .) -}}
 {{- if .Values.server.autoscale -}}
-{{- max $dp (int (include "pagedserve.autoscaleKey" (dict "spec" .Values.server.autoscale "key" "max" "default" 4))) -}}
+{{- $pools := ternary 2 1 (gt (int .Values.engine.prefillReplicas) 0) -}}
+{{- max $dp (mul $pools (int (include "pagedserve.autoscaleKey" (dict "spec" .Values.server.autoscale "key" "max" "default" 4)))) -}}
 {{- else -}}
 {{- $dp -}}
 {{- end -}}
