@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import ray
@@ -46,6 +47,13 @@ class ActorExit(enum.IntEnum):
     ENGINE_DEAD = 71  # the TP workers are gone for good (could not be rebuilt): a fresh actor rebuilds everything
 
 
+@dataclass
+class KVExportFaults:
+    corrupt: int = 0
+    stall: int = 0
+    stall_s: float = 0.0
+
+
 class EngineCoreActor:
     """Everything that touches the engine core runs on one thread, in order: steps back to back, and the adds,
     aborts and stats reads that arrive meanwhile in between two steps. The event loop only routes outputs.
@@ -69,7 +77,7 @@ class EngineCoreActor:
                  gateway_lease_s: float = GATEWAY_LEASE_S,
                  preflight_versions: Mapping[str, str] | None = None, role: str = "both") -> None:
         self.role = role  # the router's ReplicaRole, for gateways that attach by name
-        self._corrupt_exports = 0  # see corrupt_kv_exports
+        self._export_faults = KVExportFaults()  # see inject_kv_export_faults
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._preflight: NodeReport | None = None
         if preflight_versions is not None and not ray.get_runtime_context().was_current_actor_reconstructed:
@@ -324,16 +332,21 @@ class EngineCoreActor:
     async def export_kv(self, block_hashes: list[BlockHash]) -> KVHandoff:
         """The producer side: the KV of the leading run of these cached blocks, every TP rank's, sealed with their
         checksums off the engine thread."""
+        faults = self._export_faults
+        if faults.stall > 0:
+            faults.stall -= 1
+            await asyncio.sleep(faults.stall_s)
         handoff = await asyncio.to_thread(seal, await self._on_engine(self.core.read_kv, block_hashes))
-        if self._corrupt_exports > 0 and handoff.num_blocks > 1:
-            self._corrupt_exports -= 1
+        if faults.corrupt > 0 and handoff.num_blocks > 1:
+            faults.corrupt -= 1
             handoff.ranks[-1].k[0, 1].view(torch.uint8).view(-1)[0] ^= 0xFF  # the second block, after sealing
         return handoff
 
-    def corrupt_kv_exports(self, count: int) -> None:
-        """Fault injection (tests, drills): flip a byte of the second block of the next ``count`` exports after their
-        checksums were taken, as a bad link or bad memory would."""
-        self._corrupt_exports = count
+    def inject_kv_export_faults(self, corrupt: int = 0, stall: int = 0, stall_s: float = 60.0) -> None:
+        """Fault injection (tests, drills): flip a byte of the second block of the next ``corrupt`` exports after
+        their checksums were taken, as a bad link or bad memory would; hold the next ``stall`` exports ``stall_s``
+        seconds before they read anything, as an overloaded producer would."""
+        self._export_faults = KVExportFaults(corrupt, stall, stall_s)
 
     async def release_kv(self, request_id: str) -> bool:
         return await self._on_engine(self.core.release_kv, request_id)

@@ -95,6 +95,11 @@ class Disaggregation:
         self._tasks: set[asyncio.Task] = set()
 
     @property
+    def num_in_flight(self) -> int:
+        """Handoffs pulling now."""
+        return len(self._tasks)
+
+    @property
     def enabled(self) -> bool:
         """Whether the router has a prefill pool (replicas of role PREFILL, serving or not)."""
         return bool(self.prefill_picker.pool())

@@ -113,8 +113,8 @@ def test_structured_output_across_the_handoff(ray_cluster, llama_dir):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("role, when", [(ReplicaRole.PREFILL, "first_send"), (ReplicaRole.PREFILL, "first_handoff"),
-                                        (ReplicaRole.DECODE, "first_handoff")])
+@pytest.mark.parametrize("role, when", [(ReplicaRole.PREFILL, "first_send"), (ReplicaRole.PREFILL, "mid_pull"),
+                                        (ReplicaRole.DECODE, "mid_pull")])
 def test_killing_a_replica_leaves_every_stream_token_exact(ray_cluster, llama_dir, role, when):
     prompts = random_prompts(12, seed=44, min_len=60, max_len=150)
     body = dict(temperature=0.7, seed=11, max_tokens=16, ignore_eos=True)
@@ -124,18 +124,23 @@ def test_killing_a_replica_leaves_every_stream_token_exact(ray_cluster, llama_di
     actors = [r.actor for r in srv.replicas]
     try:
         victim = next(r for r in srv.replicas if r.role == role)
+        prefill = next(r for r in srv.replicas if r.role == ReplicaRole.PREFILL)
+        if when == "mid_pull":  # the first pull waits in the prefill replica's export until the kill
+            ray.get(prefill.actor.inject_kv_export_faults.remote(stall=1))
+        engine = srv.gateway.state.engine
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(_complete, srv, p, **body) for p in prompts]
-            family, key = (("pagedserve_disagg_decisions_total", (("decision", "remote"),)) if when == "first_send"
-                           else ("pagedserve_kv_transfer_seconds_count", ()))
-            while not _metric(srv, family).get(key):
+            while not (engine.disagg.num_in_flight if when == "mid_pull" else engine.disagg.stats.remote):
                 time.sleep(0.005)
+            if when == "mid_pull":
+                time.sleep(0.2)  # the pull reached the export
             ray.kill(victim.actor, no_restart=False)  # SIGKILL; Ray restarts it
             got = [f.result(timeout=300) for f in futures]
         assert got == want
-        if role == ReplicaRole.PREFILL and when == "first_handoff":  # later pulls met a dead prefill replica
+        if when == "mid_pull":
             failures = _metric(srv, "pagedserve_handoff_failures_total")
-            assert failures[(("cause", "prefill_lost"),)] > 0, failures
+            lost = "prefill_lost" if role == ReplicaRole.PREFILL else "decode_lost"
+            assert failures[(("cause", lost),)] >= 1, failures
         _all_blocks_free(srv)
     finally:
         srv.stop()
@@ -183,7 +188,7 @@ def test_blocks_corrupted_on_the_wire_are_refused_and_recomputed(ray_cluster, ll
     srv = _serve(llama_dir)
     try:
         prefill = next(r for r in srv.replicas if r.role == ReplicaRole.PREFILL)
-        ray.get(prefill.actor.corrupt_kv_exports.remote(8))
+        ray.get(prefill.actor.inject_kv_export_faults.remote(corrupt=8))
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: _complete(srv, p, **body), prompts))
         assert got == want
