@@ -74,6 +74,9 @@ class EngineArgs:
     fairness: str = _arg("none", "tokens: among waiting requests of equal priority, admit from the tenant with the "
                                  "least weighted service in tokens so far (a virtual token counter); none: in order",
                          choices=list(FAIRNESS_MODES))
+    kv_lease_timeout: float = _arg(60.0, "disaggregated serving: seconds a prefill replica holds a handed-off "
+                                         "prompt's KV blocks for its decode replica's pull at most (freed at once "
+                                         "when the pull is acknowledged or the request ends)")
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
     preemption_mode: str | None = _arg(None, "default: swap for multi-sequence requests, else recompute",
                                        choices=["recompute", "swap"])
@@ -144,6 +147,8 @@ class EngineArgs:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got "
                              f"{self.scheduling_policy!r}")
+        if not 0 < self.kv_lease_timeout < float("inf"):
+            raise ValueError(f"kv_lease_timeout must be a positive number of seconds, got {self.kv_lease_timeout}")
         if self.fairness not in FAIRNESS_MODES:
             raise ValueError(f"fairness must be one of {list(FAIRNESS_MODES)}, got {self.fairness!r}")
         if self.preemption_mode not in (None, "recompute", "swap"):
@@ -195,7 +200,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched, max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode,
                 max_decode_stall_ms=self.max_decode_stall_ms, stream_interval=self.stream_interval,
-                scheduling_policy=self.scheduling_policy, fairness=self.fairness),
+                scheduling_policy=self.scheduling_policy, fairness=self.fairness, kv_lease_s=self.kv_lease_timeout),
             parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.ray_address),
             device=device, seed=self.seed, attention_backend=backend,
             request_limits=RequestLimits(self.max_num_seqs, self.max_logprobs,

@@ -84,6 +84,8 @@ class EngineStats:
     num_constrained_requests: int  # structured output
     scheduler: SchedulerStats  # a copy of the scheduler's counters
     num_waiting_tokens: int = 0  # prompt tokens of the waiting requests (a prefill pool's queue)
+    num_kv_leases: int = 0  # prompts whose KV this (prefill) replica holds for a decode replica's pull
+    num_kv_leases_expired: int = 0  # leases that ran out before the pull acknowledged them (counter)
 
 
 @dataclass

@@ -190,7 +190,8 @@ class EngineCore:
             kv_usage=bm.usage(), copy_on_write=bm.num_copy_on_write, num_requests=self.num_requests,
             num_worker_restarts=self.num_worker_restarts,
             num_constrained_requests=sched.structured.num_constrained_requests, scheduler=copy.deepcopy(sched.stats),
-            num_waiting_tokens=sum(len(r.prompt_token_ids) for r in sched.waiting))
+            num_waiting_tokens=sum(len(r.prompt_token_ids) for r in sched.waiting),
+            num_kv_leases=len(sched.kv_leases.leases), num_kv_leases_expired=sched.kv_leases.num_expired)
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.block_manager.reset_prefix_cache()

@@ -102,6 +102,10 @@ class EngineCoreMetrics:
               s.kv_blocks_total)
         gauge("pagedserve_kv_cache_free_blocks", "KV cache blocks free or holding only evictable cached prefixes.",
               s.kv_blocks_free)
+        gauge("pagedserve_kv_leases", "Prompts whose KV blocks this prefill replica holds for a decode replica's "
+              "pull.", s.num_kv_leases)
+        counter("pagedserve_kv_leases_expired", "KV leases that ran out (--kv-lease-timeout) before the decode "
+                "replica's pull acknowledged them; it computes what it did not get.", s.num_kv_leases_expired)
         info = GaugeMetricFamily("pagedserve_cache_config_info", "KV cache configuration (value is always 1).",
                                  labels=["block_size", "num_blocks", "num_cpu_blocks", "tensor_parallel_size",
                                          "enable_prefix_caching"])

@@ -6,7 +6,9 @@ disaggregation), a prefill replica, picked prefix-aware over the prefill pool, r
 the prompt's KV and the first token, which streams to the client at once, its blocks held under a lease. Then the
 decode replica pulls the blocks it lacks straight from the prefill replica's actor (every TP rank's share, each
 block checked against its digest) into its prefix cache, the prefill replica lets them go, and the request resumes
-on the decode replica from the tokens streamed so far, with its seed: the resume finds the pulled blocks cached.
+on the decode replica from the tokens streamed so far, with its seed: the resume finds the pulled blocks cached. A
+request that :func:`runs_whole` (several completions, best_of, beam search) is prefilled as one greedy sample, dropped,
+then runs whole on the decode replica from the pulled KV.
 
 The pull only warms a cache, so no failure in it can lose or change a token: a prefill replica lost before the
 first token resumes the request on the decode pool (which prefills it), one lost during the pull, a pull past its
@@ -30,6 +32,7 @@ from pagedserve.cluster.runtime.resumption import InFlight, Resumption
 from pagedserve.cluster.runtime.routing import Pick, PrefixAware, ReplicaPicker
 from pagedserve.common.errors import EngineUnavailableError
 from pagedserve.common.outputs import EngineCoreOutput
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.engine.core_types import EngineCoreRequest
 from pagedserve.engine.kv_transfer import KVImport
 from pagedserve.scheduler.block_manager import prompt_block_hashes
@@ -106,11 +109,10 @@ class Disaggregation:
 
     def plan(self, request: EngineCoreRequest, decode: Pick[Replica]) -> Replica | None:
         """The prefill replica for a new request, or None: prefilled on its decode replica (short or mostly cached
-        there, a beam search or several completions, which run whole, or no prefill replica serving)."""
-        sp = request.sampling_params
+        there, or no prefill replica serving)."""
         uncached = len(request.prompt_token_ids) - decode.num_cached_tokens
-        if request.beam_params is not None or sp.n > 1 or sp.best_of > 1 or \
-                uncached <= self.config.max_local_prefill_length:
+        if uncached <= self.config.max_local_prefill_length or \
+                (runs_whole(request) and request.sampling_params.prompt_logprobs is not None):
             self.stats.local += 1
             return None
         try:
@@ -121,10 +123,13 @@ class Disaggregation:
         self.stats.remote += 1
         return prefill
 
-    def intercept(self, rec: InFlight, replica: Replica, item: EngineCoreOutput) -> EngineCoreOutput:
-        """A prefill replica's output: passed on as it is, unless it is the end of the prefill, which is passed on
-        as the first token alone while the handoff starts."""
-        if not any(reason == REMOTE_DECODE for reason, _ in item.finish_reasons.values()):
+    def intercept(self, rec: InFlight, replica: Replica, item: EngineCoreOutput) -> EngineCoreOutput | None:
+        """An output of a request on its prefill replica that ends a sequence: passed on as it is unless it ends
+        the prefill, which is passed on as the first token alone (or dropped, for a request the decode replica runs
+        whole) while the handoff starts."""
+        whole = runs_whole(rec.decode_request)
+        if item.error is not None or not (whole or any(reason == REMOTE_DECODE
+                                                       for reason, _ in item.finish_reasons.values())):
             return item
         if rec.resuming:  # its replica was lost meanwhile: the resume under way goes on from this token too
             if replica.alive:
@@ -132,10 +137,11 @@ class Disaggregation:
         else:
             # From here until the decode replica has it, a replica lost is the handoff's to deal with, not a resume's.
             rec.resuming = True
-            task = asyncio.get_running_loop().create_task(self.hand_off(rec, replica, item.new_token_ids.get(0, [])))
+            first = [] if whole else item.new_token_ids.get(0, [])
+            task = asyncio.get_running_loop().create_task(self.hand_off(rec, replica, first))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return dataclasses.replace(item, finish_reasons={}, finished=False)
+        return None if whole else dataclasses.replace(item, finish_reasons={}, finished=False)
 
     async def hand_off(self, rec: InFlight, prefill: Replica, first: list[int]) -> None:
         """Pull the prompt's KV from ``prefill`` into the decode replica, then resume the request there (``rec``
@@ -176,7 +182,7 @@ class Disaggregation:
         self.stats.record(outcome, cause)
         if cause is not None:
             logger.info("KV handoff of request %s: %s (%s); the decode replica computes the rest", rid, outcome, cause)
-        rec.request = dataclasses.replace(request, do_remote_decode=False)
+        rec.leave_prefill()
         await self.resumption.continue_on(rec, target)
 
     def collect_metrics(self) -> list[Metric]:
@@ -214,6 +220,21 @@ class Disaggregation:
             requests.add_metric([pool], sum(r.load for r in members))
             replicas.add_metric([pool], sum(r.serving for r in members))
         return [decisions, handoffs, failures, blocks, moved, seconds, requests, replicas]
+
+
+def runs_whole(request: EngineCoreRequest) -> bool:
+    """Several completions, best_of or a beam search: the decode replica runs the request whole, from the prompt's
+    KV alone (the prefill replica runs one greedy sample of the prompt, dropped)."""
+    return request.beam_params is not None or request.sampling_params.best_of > 1
+
+
+def prefill_request(request: EngineCoreRequest) -> EngineCoreRequest:
+    """What the prefill replica runs of ``request``: the request itself up to its first token, which streams; for one
+    that :func:`runs_whole`, one greedy sample with no end but ``do_remote_decode`` (nor a grammar, nor logprobs)."""
+    if not runs_whole(request):
+        return dataclasses.replace(request, do_remote_decode=True)
+    return dataclasses.replace(request, do_remote_decode=True, beam_params=None, sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=None, seed=request.sampling_params.seed))
 
 
 def _judge(result: KVImport, num_blocks: int) -> tuple[str, str | None]:

@@ -53,6 +53,8 @@ class InFlight:
     decode: int = 0  # output tokens it may still generate (estimated, capped)
     on_first_output: Callable[[], None] | None = None  # called (then cleared) when its first token arrives
     decode_target: Replica | None = None  # prefilled on a prefill replica: the decode replica picked for it
+    # While on its prefill replica (``request`` is then what that one runs): the request its decode replica runs.
+    decode_request: EngineCoreRequest | None = None
 
     def charge(self, r: Replica) -> None:
         r.work += self.prefill + self.decode
@@ -66,6 +68,11 @@ class InFlight:
     def release(self) -> None:
         self.replica.work -= self.prefill + self.decode
         self.prefill = self.decode = 0
+
+    def leave_prefill(self) -> None:
+        """Off the prefill pool (handed off, or its prefill replica failed it): from here it runs as sent."""
+        if self.decode_request is not None:
+            self.request, self.decode_request = self.decode_request, None
 
     def move(self, target: Replica) -> None:
         self.replica.load -= 1
@@ -155,8 +162,7 @@ class Resumption:
                 if target is None:  # the request ended meanwhile, or it ended here
                     return
                 rec.move(target)
-                if rec.request.do_remote_decode:  # its prefill replica failed it: the decode pool runs it whole
-                    rec.request = dataclasses.replace(rec.request, do_remote_decode=False)
+                rec.leave_prefill()  # if its prefill replica failed it: the decode pool runs it whole
                 if resume:
                     logger.info("resuming request %s on replica %d (attempt %d)", rid, target.index, rec.attempts)
                 else:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from prometheus_client.core import Metric
 
-from pagedserve.cluster.runtime.handoff import DisaggConfig, Disaggregation
+from pagedserve.cluster.runtime.handoff import DisaggConfig, Disaggregation, prefill_request
 from pagedserve.cluster.runtime.replica_health import ReplicaHealth
 from pagedserve.cluster.runtime.replicas import Replica
 from pagedserve.cluster.runtime.resumption import InFlight, Resumption
@@ -104,8 +104,10 @@ class ReplicaRouter(EngineClient):
             rec = self.inflight.get(item.request_id)
             if rec is not None and rec.replica is not r:  # sent before the request moved: stale
                 continue
-            if rec is not None and rec.decode_target is not None and item.finish_reasons:
+            if rec is not None and rec.decode_request is not None and item.finish_reasons:
                 item = self.disagg.intercept(rec, r, item)
+                if item is None:
+                    continue
             outputs.append(item)
             if rec is None:
                 continue
@@ -144,13 +146,12 @@ class ReplicaRouter(EngineClient):
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
         pick = self.picker.route(request, session_id)
         prefill = self.disagg.plan(request, pick) if self.disagg.enabled else None
-        if prefill is not None:
-            request = dataclasses.replace(request, do_remote_decode=True)
         max_tokens = request.sampling_params.max_tokens or DECODE_ESTIMATE_CAP
-        rec = InFlight(request, asyncio.Queue(), prefill or pick.replica,
-                       prefill=len(request.prompt_token_ids) - pick.num_cached_tokens,
+        rec = InFlight(request if prefill is None else prefill_request(request), asyncio.Queue(),
+                       prefill or pick.replica, prefill=len(request.prompt_token_ids) - pick.num_cached_tokens,
                        decode=min(max_tokens, DECODE_ESTIMATE_CAP), on_first_output=on_first_output,
-                       decode_target=pick.replica if prefill is not None else None)
+                       decode_target=pick.replica if prefill is not None else None,
+                       decode_request=request if prefill is not None else None)
         self.inflight[request_id] = rec
         rec.replica.load += 1
         rec.charge(rec.replica)

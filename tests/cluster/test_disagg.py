@@ -1,8 +1,9 @@
 """Disaggregated prefill and decode on real Ray, over HTTP: one prefill and one decode replica behind a gateway.
-Greedy, seeded, JSON-schema and n=2 requests equal the aggregated engine's outputs; long prompts are handed off
-(their KV pulled into the decode replica's cache, as its prefix-cache counters and the handoff metrics show), short
-ones are prefilled on the decode replica; killing the prefill replica's actor while requests are in flight ends
-every stream token-exact; afterwards no KV block is held on either pool."""
+Greedy, seeded, JSON-schema, logprobs, n=2, best_of, beam-search and speculated requests equal the aggregated
+engine's outputs; long prompts are handed off (their KV pulled into the decode replica's cache, as the handoff
+metrics show), short ones are prefilled on the decode replica; killing either replica's actor, aborts, leases that
+run out and corrupted blocks, while requests are in flight, end every stream token-exact or as asked; afterwards no
+KV block is held on either pool."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,13 +15,14 @@ import ray
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.runtime.replicas import ReplicaRole
-from pagedserve.common.sampling_params import StructuredOutputsParams
+from pagedserve.common.sampling_params import BeamSearchParams, StructuredOutputsParams
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.tests.server_thread import ServerThread, free_port
 from pagedserve.tests.utils import random_prompts
 
 MAX_LOCAL = 24  # a prompt with more uncached tokens than this is prefilled on the prefill replica
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def _serve(model_dir: str, **engine) -> ServerThread:
@@ -66,48 +68,86 @@ def _reference(model_dir: str, prompts: list[list[int]], params: SamplingParams)
     return [[list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
 
 
+def _beams(model_dir: str, prompts: list[list[int]], params: BeamSearchParams) -> list[list[list[int]]]:
+    llm = LLM(model_dir, seed=0, max_model_len=256, block_size=8)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    return [[s.tokens[len(p):] for s in o.sequences[:2]] for p, o in zip(prompts, outs)]
+
+
 def test_handed_off_requests_equal_the_aggregated_engine(ray_cluster, llama_dir):
     long_prompts = random_prompts(4, seed=41, min_len=60, max_len=120)
     short = random_prompts(2, seed=42, min_len=5, max_len=12)
-    cases = [
-        (dict(temperature=0, max_tokens=12), SamplingParams(temperature=0, max_tokens=12)),
-        (dict(temperature=0.8, top_p=0.9, seed=7, max_tokens=12),
-         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12)),
-        (dict(temperature=0.8, seed=3, max_tokens=6, n=2), SamplingParams(temperature=0.8, seed=3, max_tokens=6, n=2)),
-    ]
-    expected = [_reference(llama_dir, long_prompts + short, params) for _, params in cases]
+    # ignore_eos: no request ends at its first token, on its prefill replica (each long one is handed off)
+    cases = [dict(temperature=0, max_tokens=12), dict(temperature=0.8, top_p=0.9, seed=7, max_tokens=12),
+             # several completions and best_of: the decode replica runs them whole from the pulled prompt KV
+             dict(temperature=0.8, seed=3, max_tokens=6, n=2), dict(temperature=0.8, seed=5, max_tokens=6, best_of=3)]
+    cases = [dict(case, ignore_eos=True) for case in cases]
+    expected = [_reference(llama_dir, long_prompts + short, SamplingParams(**body)) for body in cases]
+    beam = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    expected_beams = _beams(llama_dir, long_prompts[:2], beam)
+    logprobs = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    llm = LLM(llama_dir, seed=0, max_model_len=256, block_size=8)
+    expected_logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                         for o in llm.generate([{"prompt_token_ids": p} for p in long_prompts[2:]], logprobs,
+                                               use_tqdm=False)]
+    del llm
     srv = _serve(llama_dir)
     try:
         roles = sorted(r.role for r in srv.replicas)
         assert roles == sorted([ReplicaRole.PREFILL, ReplicaRole.DECODE])
         assert _metric(srv, "pagedserve_pool_replicas") == {(("pool", "prefill"),): 1, (("pool", "decode"),): 1}
-        for (body, _), want in zip(cases, expected):
+        salt = iter(range(1000))  # a new cache salt per long prompt and case: each is prefilled remotely once
+        for body, want in zip(cases, expected):
             for prompt, tokens in zip(long_prompts + short, want):
-                assert _complete(srv, prompt, **body) == tokens
+                assert _complete(srv, prompt, cache_salt=f"s{next(salt)}", **body) == tokens
+        for prompt, want in zip(long_prompts[:2], expected_beams):
+            assert _complete(srv, prompt, n=2, best_of=3, temperature=0, max_tokens=6, use_beam_search=True,
+                             ignore_eos=True, cache_salt=f"s{next(salt)}") == want
+        for prompt, want in zip(long_prompts[2:], expected_logprobs):
+            r = httpx2.post(f"{srv.http_url}/v1/completions", timeout=120, json={
+                "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2, "ignore_eos": True,
+                "cache_salt": f"s{next(salt)}"})
+            assert r.json()["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
         decisions = _metric(srv, "pagedserve_disagg_decisions_total")
-        # The long prompts went to the prefill pool the first time; the second time the decode replica held them
-        # (pulled there), and n=2 runs whole: prefilled there; so were the short prompts, every time.
-        assert decisions[(("decision", "remote"),)] == len(long_prompts)
-        assert decisions[(("decision", "local"),)] == 3 * len(short) + 2 * len(long_prompts)
+        remote = len(cases) * len(long_prompts) + len(long_prompts)
+        assert decisions[(("decision", "remote"),)] == remote
+        assert decisions[(("decision", "local"),)] == len(cases) * len(short)
         handoffs = _metric(srv, "pagedserve_handoffs_total")
-        assert handoffs[(("outcome", "pulled"),)] == sum(handoffs.values()) == len(long_prompts), handoffs
+        assert handoffs[(("outcome", "pulled"),)] == sum(handoffs.values()) == remote, handoffs
         assert not any(_metric(srv, "pagedserve_handoff_failures_total").values())
-        assert _metric(srv, "pagedserve_kv_transfer_blocks_total")[()] >= sum(len(p) // 8 for p in long_prompts)
+        assert _metric(srv, "pagedserve_kv_transfer_blocks_total")[()] >= remote * min(map(len, long_prompts)) // 8
+        # Asked twice with no salt, a long prompt is handed off, then found on the decode replica: prefilled there.
+        assert _complete(srv, long_prompts[0], **cases[0]) == expected[0][0]
+        assert _complete(srv, long_prompts[0], **cases[0]) == expected[0][0]
+        decisions = _metric(srv, "pagedserve_disagg_decisions_total")
+        local = len(cases) * len(short) + 1
+        assert decisions == {(("decision", "remote"),): remote + 1, (("decision", "local"),): local}
         _all_blocks_free(srv)
     finally:
         srv.stop()
 
 
-def test_structured_output_across_the_handoff(ray_cluster, llama_dir):
+def test_structured_output_and_speculative_decoding_across_the_handoff(ray_cluster, llama_dir):
+    """Both pools run n-gram speculation: a JSON-schema request and greedy and seeded ones whose prompts repeat
+    (drafts found) equal the aggregated engine's outputs."""
     prompt = random_prompts(1, seed=43, min_len=70, max_len=71)[0]
-    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=SCHEMA))
-    want = _reference(llama_dir, [prompt], params)[0]
-    srv = _serve(llama_dir)
+    repeats = [(p * 4)[:100] for p in random_prompts(2, seed=47, min_len=20, max_len=25)]
+    constrained = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    want = _reference(llama_dir, [prompt], constrained)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    seeded = SamplingParams(temperature=0.8, seed=9, max_tokens=24)
+    want_greedy, want_seeded = _reference(llama_dir, repeats, greedy), _reference(llama_dir, repeats, seeded)
+    srv = _serve(llama_dir, speculative_config=SPEC)
     try:
         got = _complete(srv, prompt, temperature=0, max_tokens=24, response_format={
             "type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
         assert got == want
-        assert _metric(srv, "pagedserve_disagg_decisions_total")[(("decision", "remote"),)] == 1
+        for p, g, w in zip(repeats, want_greedy, want_seeded):
+            assert _complete(srv, p, temperature=0, max_tokens=24) == g
+            assert _complete(srv, p, temperature=0.8, seed=9, max_tokens=24, cache_salt="s") == w
+        assert _metric(srv, "pagedserve_disagg_decisions_total")[(("decision", "remote"),)] == 1 + 2 * len(repeats)
+        decode = next(r for r in srv.replicas if r.role == ReplicaRole.DECODE)
+        assert ray.get(decode.actor.get_stats.remote()).scheduler.spec_num_drafts > 0
     finally:
         srv.stop()
 
@@ -179,22 +219,25 @@ def test_client_aborts_in_each_phase_free_every_block(ray_cluster, llama_dir):
         srv.stop()
 
 
-def test_blocks_corrupted_on_the_wire_are_refused_and_recomputed(ray_cluster, llama_dir):
-    """Under 32 concurrent streams, the prefill replica's next exports each carry a flipped byte in their second
-    block: the decode replica keeps only the first block of each, computes the rest, and every output is exact."""
+def test_leases_run_out_and_corrupted_blocks_are_refused_and_recomputed(ray_cluster, llama_dir):
+    """Under 32 concurrent streams, with a lease of 0.5 s, the prefill replica's next 8 exports are held 1.5 s (the
+    leases run out meanwhile) and then carry a flipped byte in their second block: the decode replica keeps only the
+    first block of each, computes the rest, and every output is exact."""
     prompts = random_prompts(32, seed=46, min_len=60, max_len=150)
     body = dict(temperature=0.7, seed=13, max_tokens=8)
     want = _reference(llama_dir, prompts, SamplingParams(temperature=0.7, seed=13, max_tokens=8))
-    srv = _serve(llama_dir)
+    srv = _serve(llama_dir, kv_lease_timeout=0.5)
     try:
         prefill = next(r for r in srv.replicas if r.role == ReplicaRole.PREFILL)
-        ray.get(prefill.actor.inject_kv_export_faults.remote(corrupt=8))
+        ray.get(prefill.actor.inject_kv_export_faults.remote(corrupt=8, stall=8, stall_s=1.5))
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: _complete(srv, p, **body), prompts))
         assert got == want
         failures = _metric(srv, "pagedserve_handoff_failures_total")
         assert failures[(("cause", "blocks_refused"),)] == 8, failures
         assert _metric(srv, "pagedserve_handoffs_total")[(("outcome", "partial"),)] == 8
+        stats = ray.get(prefill.actor.get_stats.remote())
+        assert stats.num_kv_leases_expired >= 8 and stats.num_kv_leases == 0
         _all_blocks_free(srv)
     finally:
         srv.stop()

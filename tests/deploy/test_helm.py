@@ -355,12 +355,13 @@ def test_single_node_data_parallel_takes_tp_times_dp_gpus():
 def test_disaggregated_replicas_pass_their_flags_and_take_their_gpus():
     """engine.prefillReplicas / decodeReplicas become serve's --prefill-replicas / --decode-replicas (no
     --data-parallel-size); single-node, the pod takes a TP group's GPUs per replica of both pools; KubeRay gateways
-    get the conditional-disaggregation knob."""
+    get the conditional-disaggregation knob; engine.kvLeaseTimeout becomes --kv-lease-timeout."""
     docs = objects_for(merged("gpu-tp4", **{"engine.prefillReplicas": 1, "engine.decodeReplicas": 2,
-                                            "engine.maxLocalPrefillLength": 256}))
+                                            "engine.maxLocalPrefillLength": 256, "engine.kvLeaseTimeout": 15}))
     _, c = gateway(docs)
     f = flags(c)
     assert (f["prefill-replicas"], f["decode-replicas"], f["max-local-prefill-length"]) == ("1", "2", "256")
+    assert f["kv-lease-timeout"] == "15"
     assert "data-parallel-size" not in f
     assert c["resources"]["limits"][GPU] == 4 * 3
     # with the autoscaler, each pool may grow to its max

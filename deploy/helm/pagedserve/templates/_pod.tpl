@@ -34,6 +34,9 @@
 {{- with $e.maxLocalPrefillLength }}
 - --max-local-prefill-length={{ . }}
 {{- end }}
+{{- with $e.kvLeaseTimeout }}
+- --kv-lease-timeout={{ . }}
+{{- end }}
 {{- with $e.maxModelLen }}
 - --max-model-len={{ . }}
 {{- end }}
