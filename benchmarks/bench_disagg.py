@@ -3,10 +3,13 @@
 with the best ITL p99 kept) against ``--prefill-replicas 1 --decode-replicas 1``. Workload over the OpenAI HTTP API:
 ``--streams`` requests decoding long outputs, while bursts of long prompts arrive. Reports the streams' inter-token
 latency p50/p99, the long prompts' TTFT p50/p99, output tok/s, goodput (output tok/s of the requests that met their
-SLO: a stream's ITL p99, a long prompt's TTFT) and the KV bytes moved per handoff. Writes
-benchmarks/results/disagg-<cpu>.{json,png}.
+SLO: a stream's ITL p99, a long prompt's TTFT) and the KV bytes moved per handoff. Each server is then driven once
+more with the streams sent by vLLM's own client (`vllm bench serve`, benchmarks/.venv-vllm: random prompts, all at
+once) while this script sends the same bursts; its ITL p50/p99, TPOT and the streams' output tok/s are reported
+under ``vllm_client``. Writes benchmarks/results/disagg-<cpu>.{json,png}.
 
     python benchmarks/bench_disagg.py [--model DIR] [--streams 16] [--bursts 6] [--burst-size 3] [--prompt-len 1536]
+                                      [--no-vllm-client]
 
 Targets (issue 68): ITL p99 <= 0.5x aggregated at >= 0.9x its output throughput.
 """
@@ -20,6 +23,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import aiohttp
 from bench_cluster import Served
 from bench_common import reference_model, results_path, save_results
+from bench_serve_vs_vllm import VLLM_PYTHON, run_client
 
 from pagedserve.engine.arg_utils import EngineArgs
 
@@ -58,27 +63,38 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(5, 1000) for _ in range(n)]
+
+
+async def send_bursts(session: aiohttp.ClientSession, url: str, ns, rng: random.Random) -> list[Stream]:
+    """``bursts`` bursts of ``burst_size`` long prompts, one every ``burst_every_s``."""
+    bursts = []
+    for _ in range(ns.bursts):
+        bursts += [asyncio.ensure_future(stream(session, url, random_prompt(rng, ns.prompt_len), ns.burst_tokens))
+                   for _ in range(ns.burst_size)]
+        await asyncio.sleep(ns.burst_every_s)
+    return list(await asyncio.gather(*bursts))
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=1200))
+
+
 async def scenario(url: str, ns, seed: int = 0) -> dict:
     """The streams start; once each has its first token, a burst of long prompts arrives every ``burst_every_s``."""
     rng = random.Random(seed)
-    vocab = 1000
 
     def prompt(n: int) -> list[int]:
-        return [rng.randrange(5, vocab) for _ in range(n)]
+        return random_prompt(rng, n)
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=1200)) as session:
+    async with _session() as session:
         t0 = time.perf_counter()
         streams = [asyncio.ensure_future(stream(session, url, prompt(ns.stream_prompt_len), ns.stream_tokens))
                    for _ in range(ns.streams)]
         await asyncio.sleep(ns.burst_every_s)
-        bursts = []
-        for _ in range(ns.bursts):
-            bursts += [asyncio.ensure_future(stream(session, url, prompt(ns.prompt_len), ns.burst_tokens))
-                       for _ in range(ns.burst_size)]
-            await asyncio.sleep(ns.burst_every_s)
+        long = await send_bursts(session, url, ns, rng)
         decoded = await asyncio.gather(*streams)
-        long = await asyncio.gather(*bursts)
         elapsed = time.perf_counter() - t0
     gaps = [g for s in decoded for g in s.gaps]
     tokens = sum(s.tokens for s in decoded + long)
@@ -89,12 +105,44 @@ async def scenario(url: str, ns, seed: int = 0) -> dict:
             "output_tok_s": tokens / elapsed, "goodput_tok_s": good / elapsed, "elapsed_s": elapsed}
 
 
+def vllm_client_argv(ns, model: str, url: str) -> list[str]:
+    """`vllm bench serve` sending the streams: ``streams`` random prompts of ``stream_prompt_len`` tokens, all at once,
+    each decoding ``stream_tokens`` (no ready check: the server is warm, and its test request would run alone)."""
+    return ["--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url, "--model",
+            os.path.basename(os.path.normpath(model)), "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(ns.stream_prompt_len),
+            "--random-output-len", str(ns.stream_tokens), "--random-range-ratio", "0", "--num-prompts",
+            str(ns.streams), "--max-concurrency", str(ns.streams), "--request-rate", "inf", "--ignore-eos",
+            "--temperature", "0", "--ready-check-timeout-sec", "0", "--disable-tqdm", "--percentile-metrics",
+            "ttft,tpot,itl", "--metric-percentiles", "50,99"]
+
+
+async def scenario_vllm_client(srv: Served, ns, model: str, log_path: str) -> dict:
+    """The streams sent by vLLM's client; once they all run, this script's bursts."""
+    client = asyncio.get_running_loop().run_in_executor(None, run_client, vllm_client_argv(ns, model, srv.url),
+                                                        log_path)
+    engine = srv.gateway.state.engine
+    while len(engine.inflight) < ns.streams and not client.done():
+        await asyncio.sleep(0.02)
+    async with _session() as session:
+        await asyncio.sleep(ns.burst_every_s)
+        long = await send_bursts(session, srv.url, ns, random.Random(2))
+    r = await client
+    if r["failed"]:
+        raise RuntimeError(f"vLLM's client: {r['failed']} requests failed: {r['errors']}")
+    return {"itl_p50_s": r["p50_itl_ms"] / 1e3, "itl_p99_s": r["p99_itl_ms"] / 1e3,
+            "tpot_mean_s": r["mean_tpot_ms"] / 1e3, "stream_output_tok_s": r["output_throughput"],
+            "completed": r["completed"], "ttft_p50_s": statistics.median(s.ttft for s in long)}
+
+
 def run(args: EngineArgs, port: int, ns, **opts) -> dict:
     dp = 1 if opts.get("prefill_replicas") else 2
     srv = Served(args, dp, None, port, port + 1, **opts)
     try:
         asyncio.run(scenario(srv.url, _warmup(ns), seed=1))
         res = asyncio.run(scenario(srv.url, ns))
+        if ns.vllm_client:
+            log = os.path.join(tempfile.gettempdir(), "bench_disagg_vllm_client.log")
+            res["vllm_client"] = asyncio.run(scenario_vllm_client(srv, ns, args.model, log))
         engine = srv.gateway.state.engine
         if engine.disagg.enabled:
             st = engine.disagg.stats
@@ -116,6 +164,10 @@ def show(name: str, r: dict) -> None:
     print(f"  {name:28s} ITL p50 {r['itl_p50_s'] * 1e3:7.1f} ms  p99 {r['itl_p99_s'] * 1e3:7.1f} ms  "
           f"TTFT p50 {r['ttft_p50_s']:6.2f} s  p99 {r['ttft_p99_s']:6.2f} s  {r['output_tok_s']:7.1f} out tok/s  "
           f"goodput {r['goodput_tok_s']:7.1f}", flush=True)
+    if "vllm_client" in r:
+        v = r["vllm_client"]
+        print(f"  {'  (vLLM client)':28s} ITL p50 {v['itl_p50_s'] * 1e3:7.1f} ms  p99 {v['itl_p99_s'] * 1e3:7.1f} ms  "
+              f"TTFT p50 {v['ttft_p50_s']:6.2f} s  streams {v['stream_output_tok_s']:7.1f} out tok/s", flush=True)
 
 
 def plot(results: dict, path: str) -> None:
@@ -150,7 +202,11 @@ def main() -> None:
     ap.add_argument("--max-local-prefill-length", type=int, default=256)
     ap.add_argument("--itl-slo-s", type=float, default=0.1)
     ap.add_argument("--ttft-slo-s", type=float, default=10.0)
+    ap.add_argument("--no-vllm-client", dest="vllm_client", action="store_false",
+                    help="skip the runs driven by vLLM's client")
     ns = ap.parse_args()
+    if ns.vllm_client and not os.path.exists(VLLM_PYTHON):
+        ap.error("vLLM's client needs benchmarks/.venv-vllm (bash benchmarks/setup_vllm_cpu.sh), or --no-vllm-client")
     import ray
     from ray.cluster_utils import Cluster
 
@@ -185,6 +241,11 @@ def main() -> None:
                "throughput_vs_aggregated": d["output_tok_s"] / a["output_tok_s"],
                "goodput_vs_aggregated": d["goodput_tok_s"] / max(1e-9, a["goodput_tok_s"]),
                "kv_bytes_per_handoff": d.get("kv_bytes_per_handoff")}
+    if ns.vllm_client:
+        av, dv = a["vllm_client"], d["vllm_client"]
+        summary.update(vllm_client_itl_p99_vs_aggregated=dv["itl_p99_s"] / av["itl_p99_s"],
+                       vllm_client_itl_p50_vs_aggregated=dv["itl_p50_s"] / av["itl_p50_s"],
+                       vllm_client_stream_tok_s_vs_aggregated=dv["stream_output_tok_s"] / av["stream_output_tok_s"])
     print(json.dumps(summary, indent=1))
     path = save_results("disagg", {"model": model, "config": vars(ns), "results": results, "summary": summary})
     plot({"aggregated (best ITL)": a, "1P+1D": d}, results_path("disagg", "png"))

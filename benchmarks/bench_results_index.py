@@ -172,7 +172,10 @@ HEADLINES = {
     "cluster": lambda d: (f"prefix-aware / least-loaded: {_x(d['summary']['throughput_vs_least_loaded'])} out tok/s, "
                           f"TTFT p50 {_x(d['summary']['ttft_p50_vs_least_loaded'])}"),
     "disagg": lambda d: (f"1P+1D / aggregated: ITL p99 {_x(d['summary']['itl_p99_vs_aggregated'])} at "
-                         f"{_x(d['summary']['throughput_vs_aggregated'])} out tok/s"),
+                         f"{_x(d['summary']['throughput_vs_aggregated'])} out tok/s"
+                         + (f" (vLLM's client: {_x(d['summary']['vllm_client_itl_p99_vs_aggregated'])} at "
+                            f"{_x(d['summary']['vllm_client_stream_tok_s_vs_aggregated'])})"
+                            if "vllm_client_itl_p99_vs_aggregated" in d["summary"] else "")),
     "tp": lambda d: ("TP=2 / TP=1 out tok/s: "
                      f"{_x(d['throughput']['tp2_plain_calls_out_tok_s'] / d['throughput']['tp1_out_tok_s'])}"),
 }
