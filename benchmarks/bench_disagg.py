@@ -108,8 +108,9 @@ async def scenario(url: str, ns, seed: int = 0) -> dict:
 def vllm_client_argv(ns, model: str, url: str) -> list[str]:
     """`vllm bench serve` sending the streams: ``streams`` random prompts of ``stream_prompt_len`` tokens, all at once,
     each decoding ``stream_tokens`` (no ready check: the server is warm, and its test request would run alone)."""
-    return ["--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url, "--model",
-            os.path.basename(os.path.normpath(model)), "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(ns.stream_prompt_len),
+    served_name = os.path.basename(os.path.normpath(model))  # the server's default name for the model
+    return ["--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url, "--model", served_name,
+            "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(ns.stream_prompt_len),
             "--random-output-len", str(ns.stream_tokens), "--random-range-ratio", "0", "--num-prompts",
             str(ns.streams), "--max-concurrency", str(ns.streams), "--request-rate", "inf", "--ignore-eos",
             "--temperature", "0", "--ready-check-timeout-sec", "0", "--disable-tqdm", "--percentile-metrics",
