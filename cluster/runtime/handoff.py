@@ -128,8 +128,9 @@ class Disaggregation:
         the prefill, which is passed on as the first token alone (or dropped, for a request the decode replica runs
         whole) while the handoff starts."""
         whole = runs_whole(rec.decode_request)
-        if item.error is not None or not (whole or any(reason == REMOTE_DECODE
-                                                       for reason, _ in item.finish_reasons.values())):
+        # A whole request's prefill may also end at the context's length (its prompt one token short of it).
+        ends_prefill = (REMOTE_DECODE, "length") if whole else (REMOTE_DECODE,)
+        if item.error is not None or not any(reason in ends_prefill for reason, _ in item.finish_reasons.values()):
             return item
         if rec.resuming:  # its replica was lost meanwhile: the resume under way goes on from this token too
             if replica.alive:
