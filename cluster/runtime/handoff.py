@@ -158,7 +158,7 @@ class Disaggregation:
             loop = asyncio.get_running_loop()
             started = loop.time()
             result: KVImport = await asyncio.wait_for(
-                _await(target.actor.pull_kv.remote(prefill.actor, hashes)), self.config.pull_timeout_s)
+                target.actor.pull_kv.remote(prefill.actor, hashes), self.config.pull_timeout_s)
             self.stats.observe(result, loop.time() - started)
             outcome, cause = _judge(result, len(hashes))
         except asyncio.TimeoutError:
@@ -245,6 +245,3 @@ def _judge(result: KVImport, num_blocks: int) -> tuple[str, str | None]:
     cause = "blocks_refused" if result.num_received > result.num_inserted else "blocks_missing"
     return ("partial" if result.num_inserted else "recomputed"), cause
 
-
-async def _await(ref):
-    return await ref
